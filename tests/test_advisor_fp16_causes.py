@@ -174,3 +174,18 @@ def test_a_gradient_autocast_computes_in_fp32_would_overflow_nothing() -> None:
     assert float(ln_weight[T.ABSMAX].max()) > 65504 and int(ln_weight[T.overflow_col("fp16")].sum()) > 0
     assert float(grads.drop(ln_weight.index)[T.ABSMAX].max()) < 3000
     assert rec.finding("fp16_gradient_overflow") is None
+
+
+def test_the_loss_scale_names_no_weight_gradient_of_a_module_without_weights() -> None:
+    """A dropout between two LayerNorms: autocast computes its gradient in fp32, as theirs, but it has no weight:
+    the message listed "the weight gradients of 0, 1, 2" (HF ViT's embeddings.dropout, ConvNeXt's drop_path
+    Identity); it names the dropout's output gradient alone (the count, 3, is of the modules whose gradients are
+    left out)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LayerNorm(16), nn.Dropout(0.1), nn.LayerNorm(16), nn.Linear(16, 8))
+    g = torch.Generator().manual_seed(0)
+    rec, _, _ = _fp16_run(model, [torch.randn(32, 16, generator=g) for _ in range(2)])
+    f = rec.finding("fp16_loss_scale")
+    assert f is not None and f.numbers["autocast_fp32_left_out"] == 3
+    assert "leaving out the weight gradients of 0, 2, which autocast computed in fp32" in f.message
+    assert "and the output gradients of 0, 1, which no matmul run in fp16 reads" in f.message

@@ -63,6 +63,7 @@ LABELS: dict[Any, tuple[str, str] | None] = {
     "fp16_subnormal_share": ("FP16 subnormals among those gradients' nonzero values (below 2^-14)", "share"),
     "skipped_steps_left_out": ("sampled steps left out (the loss scaler skipped them)", "count"),
     "kept_fp32_left_out": ("layers kept in FP32 whose FP32 gradients are left out", "count"),
+    "autocast_fp32_left_out": ("modules autocast ran in FP32 whose FP32 gradients are left out", "count"),
     # fp16 without loss scaling
     "modules_at_floor": ("modules whose gradients run into FP16's floor", "count"),
     "max_floor_share": (

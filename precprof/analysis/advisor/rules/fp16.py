@@ -723,8 +723,8 @@ def _rule_loss_scale(run: _Run, plan: _Plan, fwd_bad_steps: set[int]) -> None:
                     # clamped to the range the advice allows: the scale the gradients allow, and what overflows
                     **({"fitting_scale_log2": raw} if raw != k else {}),
                     **({"overflow_values": int(over)} if over else {}),
-                    **({"kept_fp32_left_out": len(kept.weight)} if kept.left_out else {}),
-                    **({"autocast_fp32_left_out": len(own32.weight)} if own32.left_out else {}),
+                    **({"kept_fp32_left_out": len(kept.modules)} if kept.left_out else {}),
+                    **({"autocast_fp32_left_out": len(own32.modules)} if own32.left_out else {}),
                 },
             )
         )
@@ -749,15 +749,17 @@ def _own32_said(run: _Run, own32: KeptGradients, after: bool) -> str:
     if not own32.left_out:
         return ""
     listed = run.cfg.max_listed_modules
+    output = (
+        f"the output gradients of {_listing(run.sort(own32.output), listed)}, which no matmul run in fp16 reads"
+        if own32.output
+        else ""
+    )
+    if not own32.weight:  # (modules without weights: a dropout on an fp32 sum)
+        return f"{'; and' if after else ', leaving out'} {output}, which autocast computed in fp32"
     return (
         f"{'; and' if after else ', leaving out'} the weight gradients of {_listing(run.sort(own32.weight), listed)}, "
         "which autocast computed in fp32 (their outputs fp32 on every sampled step)"
-        + (
-            f", and the output gradients of {_listing(run.sort(own32.output), listed)}, which no matmul run in fp16 "
-            "reads"
-            if own32.output
-            else ""
-        )
+        + (f", and {output}" if output else "")
     )
 
 
@@ -1504,7 +1506,7 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan, kept: KeptGradients) -> None:
                 "fp16_smallest_nonzero": fl.smallest if (flushed or thin) and fl.smallest > 0 else None,
                 **({"fp16_subnormal_share": sub} if thin else {}),
                 **({"skipped_steps_left_out": left_out} if left_out else {}),
-                **({"kept_fp32_left_out": len(kept.weight)} if kept.left_out else {}),
+                **({"kept_fp32_left_out": len(kept.modules)} if kept.left_out else {}),
                 "loss_change": loss_change,
                 "share_at_run_scale": at_run,
                 "run_scale_log2": k_run,

@@ -44,6 +44,11 @@ class KeptGradients:
     def left_out(self) -> bool:
         return bool(self.weight or self.output)
 
+    @property
+    def modules(self) -> frozenset[str]:
+        """The modules some of whose gradient rows are left out (a weight's, an output's, or both)."""
+        return self.weight | self.output
+
     def rows(self, df: pd.DataFrame) -> pd.Series:
         """Which rows of ``df`` (layer rows, or histogram rows and their totals) stay fp32: left out."""
         names = T.texts(df[T.MODULE])
@@ -103,8 +108,10 @@ def kept_gradients(run: _Run, keep: Iterable[str]) -> KeptGradients:
                     read.setdefault(m, []).append(reader)
     order = run.sort(read)
     output = frozenset(kept - set(read)) if reads is not None else frozenset()
+    # (a dropout, an Identity has no weight gradient to leave out: "the weight gradients of drop" named none)
+    weighted = set(T.texts(grads.loc[grads[T.TENSOR] == T.WEIGHT_GRAD, T.MODULE]))
     return KeptGradients(
-        keep, frozenset(kept), output, {m: run.sort(read[m]) for m in order}, reads is not None
+        keep, frozenset(kept & weighted), output, {m: run.sort(read[m]) for m in order}, reads is not None
     )
 
 
@@ -124,7 +131,10 @@ def autocast_fp32_gradients(run: _Run, kept: KeptGradients) -> KeptGradients:
     low = (_dtype_has(acts, "float16") | _dtype_has(acts, "bfloat16")).to_numpy()
     # leaves alone: a container's output (a block's residual sum) may be fp32 while its layers ran in fp16
     containers = {a for m in set(names) for a in _ancestors(m)}
-    fp32 = set(names[~low]) - set(names[low]) - set(kept.weight) - containers
+    held = set(kept.keep)
+    fp32 = {
+        m for m in set(names[~low]) - set(names[low]) - containers if not (m in held or _under_any(m, held))
+    }
     grads = run.kind(*T.GRADIENT_KINDS)
     fp32 &= set(T.texts(grads[T.MODULE]))
     # a matmul layer in fp32 under autocast is one the run kept there: fp16's keep list (``kept``) holds it where
