@@ -17,6 +17,7 @@ from precprof import tables as T
 from precprof.analysis.throughput import MIN_STEPS, timed_enough, within_noise
 from precprof.report import filters as F
 from precprof.report.blocks import group_range
+from precprof.report.compiled_row import compiled_row
 
 Rows = list[tuple[str, str]]
 
@@ -553,38 +554,10 @@ def capture_rows(
         rows.append(("steps sampled", text))
     if capture.get("modules_captured") is not None:
         rows.append(("modules captured", F.count(capture["modules_captured"])))
-    dropout = _int(capture.get("dropout_layers")) or 0
-    # what ran compiled: the capture's word, or the built-in loop's (its "compiled" is said of eager runs too)
-    compiled = str(capture.get("compiled") or (cfg.get("compiled") if cfg.get("compile") else "") or "")
-    never = (
-        "; every step was sampled, and a sampled step runs eagerly: no step of this run ran compiled, so its "
-        "losses, statistics and step times are eager PyTorch's (sample less often, --sample-every, to see "
-        "compiled steps)"
-        if compiled and sampled is not None and recorded and sampled >= recorded
-        else ""
-    )
-    # a backend that runs torch's own ops (eager, aot_eager) draws the masks an eager step draws
-    own_random = "backend " not in compiled or "backend inductor" in compiled
-    random_note = (
-        f"; the model has {F.count(dropout)} dropout layer{'s' if dropout != 1 else ''}: inductor's kernels draw "
-        "their own random numbers, so an eager step draws other masks and leaves the random-number state "
-        "elsewhere, and from the first sampled step on this run trained on other masks than it would have "
-        "without precprof (not bitwise it)"
-        if dropout and own_random
-        else ""
-    )
-    # what ran compiled: the Profiler's word for a user's loop, the whole model in the built-in loop's
-    what = capture.get("compiled") or ("the whole model" if cfg.get("compile") else None)
-    if what:
-        rows.append(
-            (
-                "torch.compile",
-                f"{what}: the steps not sampled ran compiled; the sampled ones ran it eagerly "
-                "(for the hooks), so their statistics are eager PyTorch's values, their time is eager's, and so are "
-                "the activations the memory section shows (the compiled graph saves others for its backward: "
-                "inductor's partitioner recomputes some and keeps others)" + (never or random_note),
-            )
-        )
+    # what ran compiled, and on which steps (the Profiler's word for a user's loop, the built-in loop's model)
+    compiled = compiled_row(capture, cfg)
+    if compiled:
+        rows.append(("torch.compile", compiled))
     stance = _loop_stance_text(capture.get("loop_stance"))
     if stance:
         rows.append(("compiler stance", stance))

@@ -1,0 +1,96 @@
+"""The environment's "torch.compile" row: what of the run ran compiled, and on which steps, in words.
+
+A sampled step runs ``torch.compile``d code eagerly (precprof sets ``torch.compiler``'s ``force_eager`` stance
+for it, and a stance is the whole process's), so the row says which steps ran compiled by what the run
+recorded: none sampled (every step compiled), every one sampled (none compiled), or some of each; it names
+the memory section's activations only where that section shows some, and the setting that samples fewer
+steps as the run set it (``precprof train``'s flag, the Profiler's or the callback's argument).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from precprof.report import filters as F
+
+# the summary's config["source"] of a run of the callbacks (``precprof.integrations``), whose sample_every is
+# PrecprofCallback's argument
+CALLBACK_SOURCES = frozenset({"lightning.Trainer", "transformers.Trainer"})
+
+
+def _int(v: Any) -> int | None:
+    return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
+
+
+def sample_every_setting(cfg: Mapping[str, Any]) -> str:
+    """The setting of a sampling interval N as this run sets it: ``--sample-every N`` in a run of the built-in
+    loop (``precprof train``, ``precprof compare``: its config is ``TrainConfig``'s, with its ``command_line``),
+    ``PrecprofCallback(sample_every=N)`` under the callbacks (their config's ``source``), else the Profiler's
+    argument of a loop of the user's own, which records no config."""
+    if cfg.get("source") in CALLBACK_SOURCES:
+        return "PrecprofCallback(sample_every=N)"
+    if "command_line" in cfg:
+        return "--sample-every N"
+    return "Profiler(sample_every=N)"
+
+
+def memory_shows_activations(capture: Mapping[str, Any]) -> bool:
+    """Whether the memory section shows measured activations, by the capture's facts: not where
+    ``Profiler(memory=False)`` turned memory off, the breakdown failed, or no sampled step measured it."""
+    if capture.get("memory_enabled") is False or capture.get("memory_error"):
+        return False
+    steps = capture.get("memory_steps")
+    return not isinstance(steps, Mapping) or bool(steps.get("measured_steps"))
+
+
+def compiled_row(capture: Mapping[str, Any], cfg: Mapping[str, Any]) -> str:
+    """The "torch.compile" row's text ("" where the run recorded nothing compiled). ``capture``: the summary's
+    capture; ``cfg``: its config (the built-in loop's says whether it compiled the model, ``compile``)."""
+    what = capture.get("compiled") or ("the whole model" if cfg.get("compile") else None)
+    sampled, recorded = _int(capture.get("sampled_steps")), _int(capture.get("steps_recorded"))
+    if not what:
+        return ""
+    what = str(what)
+    if sampled == 0:
+        return (
+            f"{what}: every step ran compiled (no step was sampled, and only a sampled step runs it eagerly, for "
+            "the hooks)"
+        )
+    memory = memory_shows_activations(capture)
+    if sampled is not None and recorded and sampled >= recorded:
+        eager = (
+            "losses, statistics, step times and the activations the memory section shows"
+            if memory
+            else "losses, statistics and step times"
+        )
+        return (
+            f"{what}: every step was sampled, and a sampled step runs it eagerly (for the hooks): no step of this "
+            f"run ran compiled, so its {eager} are eager PyTorch's (sample fewer steps to see compiled ones: {sample_every_setting(cfg)} with N "
+            "above 1)"
+        )
+    text = (
+        f"{what}: the steps not sampled ran compiled; the sampled ones ran it eagerly (for the hooks), so their "
+        "statistics are eager PyTorch's values, their time is eager's"
+    )
+    if memory:
+        text += (
+            ", and so are the activations the memory section shows (the compiled graph saves others for its "
+            "backward: inductor's partitioner recomputes some and keeps others)"
+        )
+    return text + _random_note(capture, what)
+
+
+def _random_note(capture: Mapping[str, Any], what: str) -> str:
+    """The dropout layers' masks, which inductor's kernels draw otherwise than eager PyTorch ("" without any, or
+    under a backend that runs torch's own ops: eager and aot_eager draw the masks an eager step draws)."""
+    dropout = _int(capture.get("dropout_layers")) or 0
+    if not dropout or ("backend " in what and "backend inductor" not in what):
+        return ""
+    return (
+        f"; the model has {F.count(dropout)} dropout layer{'s' if dropout != 1 else ''}: inductor's kernels draw "
+        "their own random numbers, so an eager step draws other masks and leaves the random-number state "
+        "elsewhere, and from the first sampled step on this run trained on other masks than it would have "
+        "without precprof (not bitwise it)"
+    )

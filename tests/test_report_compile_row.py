@@ -1,0 +1,93 @@
+"""The report's torch.compile row and overhead card say what each run did (tester h94): with ``memory=False``
+the row named "the activations the memory section shows" beside a section that recorded none; with every step
+sampled it said the unsampled steps ran compiled and then that none did, and named the CLI's ``--sample-every``
+in a loop of the user's own; with no step sampled it said "the sampled ones ran it eagerly", and the header
+withheld the overhead it had measured ("0 sampled, 299 unsampled steps timed: 3 of each needed"); a compiled
+loss or optimizer step beside an uncompiled model, which the sampled steps ran eagerly too, had no row at all.
+
+Tiny real runs of Dynamo's eager backend: a compile is a trace, no kernels."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+import precprof
+from precprof.report.environment import capture_rows
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def _run(
+    steps: int,
+    compile_model: bool = True,
+    loss_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    **kw: Any,
+) -> precprof.Profiler:
+    """``steps`` steps of SGD on a tiny model, compiled (``backend="eager"``) or not, with ``loss_fn`` (the
+    mean square by default), under a Profiler given the uncompiled model; ``kw``: the Profiler's."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    model = _model()
+    run = torch.compile(model, backend="eager") if compile_model else model
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    loss_of = loss_fn or (lambda out: out.pow(2).mean())
+    with precprof.Profiler(run, optimizer=opt, **kw) as prof:
+        for _ in range(steps):
+            loss = loss_of(run(torch.randn(4, 8, generator=g)))
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            prof.step(loss=loss)
+    return prof
+
+
+def _row(prof: precprof.Profiler, cfg: dict[str, Any] | None = None) -> str:
+    return dict(capture_rows(prof.summary(), cfg or {})).get("torch.compile", "")
+
+
+def test_the_compile_row_names_memory_only_where_the_memory_section_shows_some() -> None:
+    """``Profiler(memory=False)``: no memory section's activations to be eager's; with memory on, there are."""
+    off = _row(_run(3, sample_every=2, memory=False))
+    assert off == (
+        "the whole model (backend eager): the steps not sampled ran compiled; the sampled ones ran it eagerly "
+        "(for the hooks), so their statistics are eager PyTorch's values, their time is eager's"
+    )
+    on = _row(_run(3, sample_every=2))
+    assert on.startswith(off) and ", and so are the activations the memory section shows" in on
+
+
+def test_every_step_sampled_says_none_ran_compiled_and_names_the_runs_own_setting() -> None:
+    """``sample_every=1``: no step ran compiled, said once, with the setting as the run sets it: the Profiler's
+    argument in a loop of the user's own, ``--sample-every`` for ``precprof train`` (its config's command line),
+    PrecprofCallback's under the callbacks."""
+    prof = _run(2, sample_every=1, memory=False)
+    row = _row(prof)
+    assert row == (
+        "the whole model (backend eager): every step was sampled, and a sampled step runs it eagerly (for the "
+        "hooks): no step of this run ran compiled, so its losses, statistics and step times are eager PyTorch's "
+        "(sample fewer steps to see compiled ones: Profiler(sample_every=N) with N above 1)"
+    )
+    assert "steps not sampled" not in row and "--sample-every" not in row
+    cli = _row(prof, {"command_line": "precprof train --compile --sample-every 1", "compile": True})
+    assert cli.endswith("(sample fewer steps to see compiled ones: --sample-every N with N above 1)")
+    hf = _row(prof, {"source": "transformers.Trainer"})
+    assert hf.endswith(
+        "(sample fewer steps to see compiled ones: PrecprofCallback(sample_every=N) with N above 1)"
+    )
+
+
+def test_no_step_sampled_says_every_step_ran_compiled() -> None:
+    """``sample_every=0``: no sampled step ran the model eagerly; it said the sampled ones did."""
+    assert _row(_run(3, sample_every=0, memory=False)) == (
+        "the whole model (backend eager): every step ran compiled (no step was sampled, and only a sampled step "
+        "runs it eagerly, for the hooks)"
+    )
