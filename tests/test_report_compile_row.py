@@ -16,6 +16,9 @@ import torch
 from torch import nn
 
 import precprof
+from precprof import tables as T
+from precprof.report import filters as F
+from precprof.report.context import _headline
 from precprof.report.environment import capture_rows
 
 
@@ -91,3 +94,23 @@ def test_no_step_sampled_says_every_step_ran_compiled() -> None:
         "the whole model (backend eager): every step ran compiled (no step was sampled, and only a sampled step "
         "runs it eagerly, for the hooks)"
     )
+
+
+def test_the_overhead_of_a_run_that_sampled_no_step_is_what_prof_step_took() -> None:
+    """``sample_every=0``: the header's overhead is what prof.step() took on every step (the summary's
+    ``overhead_every_step``), measured on the unsampled steps alone; it was withheld for want of 3 timed
+    sampled steps, which such a run never has."""
+    prof = _run(5, compile_model=False, sample_every=0, memory=False)
+    capture = prof.summary()
+    sampling = capture["sampling"]
+    assert sampling["overhead"] == sampling["overhead_every_step"] > 0 and sampling["overhead_sampled"] == 0
+    pct = F.pct(sampling["overhead_every_step"])
+    head = dict(_headline({T.SUMMARY_CAPTURE: capture}, prof.tables()["steps"], T.empty("layers")))
+    assert (
+        head["precprof's overhead"]
+        == f"{pct} of the run's time (no step sampled; prof.step() on every step {pct})"
+    )
+    # from fewer than 3 timed steps (the first is not timed), not measured, and the count it needed
+    few = _run(3, compile_model=False, sample_every=0, memory=False)
+    head = dict(_headline({T.SUMMARY_CAPTURE: few.summary()}, few.tables()["steps"], T.empty("layers")))
+    assert head["precprof's overhead"] == "not measured (no step sampled; 2 steps timed: 3 needed)"

@@ -19,7 +19,7 @@ from precprof import __version__, formats
 from precprof import tables as T
 from precprof.analysis import current_scaling
 from precprof.analysis import snippets as snippet_code
-from precprof.analysis.throughput import compiled_steps, throughput, within_noise
+from precprof.analysis.throughput import MIN_STEPS, compiled_steps, throughput, within_noise
 from precprof.report import blocks, environment, plots, timeline
 from precprof.report import filters as F
 from precprof.report import memory_summary as M
@@ -358,6 +358,10 @@ def _overhead(summary: Mapping[str, Any], tp: dict[str, Any]) -> str:
     text = f"{F.pct(float(share))} of the run's time"
     said = []
     withheld = environment.overhead_withheld(tp)
+    if isinstance(capture, Mapping) and capture.get("sampled_steps") == 0 and not tp["steps_timed_sampled"]:
+        # nothing sampled (sample_every=0): the overhead is prof.step()'s own time on every step, measured on
+        # the unsampled steps alone; "0 sampled steps timed: 3 needed" withheld a measured 2.42%
+        return _overhead_unsampled(sampling, tp)
     if withheld:
         text = "not measured"
         said.append(withheld)
@@ -371,6 +375,19 @@ def _overhead(summary: Mapping[str, Any], tp: dict[str, Any]) -> str:
         text = f"at most {text}"
         said.append("an upper bound: a sampled step adds less than the steps' times vary")
     return text + (f" ({'; '.join(said)})" if said else "")
+
+
+def _overhead_unsampled(sampling: Mapping[str, Any], tp: Mapping[str, Any]) -> str:
+    """precprof's overhead in a run that sampled no step: what ``prof.step()`` took on every step (the
+    sampler's ``overhead_every_step``), "not measured" from fewer than ``MIN_STEPS`` unsampled steps timed, and
+    "" where the summary predates the figure."""
+    every = sampling.get("overhead_every_step")
+    if not isinstance(every, (int, float)) or not math.isfinite(every) or every < 0:
+        return ""
+    n_u = int(tp["steps_timed_unsampled"])
+    if n_u < MIN_STEPS:
+        return f"not measured (no step sampled; {F.count(n_u)} steps timed: {MIN_STEPS} needed)"
+    return f"{F.pct(float(every))} of the run's time (no step sampled; prof.step() on every step {F.pct(float(every))})"
 
 
 def overhead_parts(sampling: Mapping[str, Any]) -> list[str]:
