@@ -114,3 +114,22 @@ def test_the_overhead_of_a_run_that_sampled_no_step_is_what_prof_step_took() -> 
     few = _run(3, compile_model=False, sample_every=0, memory=False)
     head = dict(_headline({T.SUMMARY_CAPTURE: few.summary()}, few.tables()["steps"], T.empty("layers")))
     assert head["precprof's overhead"] == "not measured (no step sampled; 2 steps timed: 3 needed)"
+
+
+def test_a_compiled_loss_beside_an_uncompiled_model_says_the_sampled_steps_ran_it_eagerly() -> None:
+    """A compiled loss function, the Profiler's model not compiled: Dynamo compiled in the first unsampled
+    step (the sampled steps run it eagerly: the stance is the process's), and the row says so."""
+    loss_fn = torch.compile(lambda out: out.pow(2).mean(), backend="eager")
+    prof = _run(4, compile_model=False, loss_fn=loss_fn, sample_every=2, memory=False)
+    capture = prof.summary()
+    assert capture["compiled"] is None and capture["sampling"]["compiled_steps"] == [1]
+    assert _row(prof) == (
+        "not the Profiler's model, but torch.compile compiled in unsampled step 1: something else this loop "
+        "runs is compiled (a loss, the optimizer's step, a model the Profiler was not given). A sampled step "
+        "runs every compiled function of the loop eagerly (the force_eager stance precprof sets for it is the "
+        "whole process's), so on the 2 sampled steps that code ran eagerly, and what it computed there (a loss, "
+        "a weight update) is eager PyTorch's; the steps not sampled ran it compiled"
+    )
+    # nothing compiled, or nothing sampled to run it eagerly: no row
+    assert _row(_run(3, compile_model=False, sample_every=2, memory=False)) == ""
+    assert _row(_run(3, compile_model=False, loss_fn=loss_fn, sample_every=0, memory=False)) == ""

@@ -24,6 +24,10 @@ def _int(v: Any) -> int | None:
     return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
 
 
+def _map(v: Any) -> Mapping[str, Any]:
+    return v if isinstance(v, Mapping) else {}
+
+
 def sample_every_setting(cfg: Mapping[str, Any]) -> str:
     """The setting of a sampling interval N as this run sets it: ``--sample-every N`` in a run of the built-in
     loop (``precprof train``, ``precprof compare``: its config is ``TrainConfig``'s, with its ``command_line``),
@@ -45,13 +49,23 @@ def memory_shows_activations(capture: Mapping[str, Any]) -> bool:
     return not isinstance(steps, Mapping) or bool(steps.get("measured_steps"))
 
 
+def _unsampled_said(steps: list[int], most: int = 4) -> str:
+    """The steps in words: "unsampled step 2", "unsampled steps 2, 5", "12 unsampled steps (2, 5, 9, ...)"."""
+    if len(steps) == 1:
+        return f"unsampled step {F.count(steps[0])}"
+    listed = ", ".join(F.count(s) for s in steps[:most])
+    if len(steps) <= most:
+        return f"unsampled steps {listed}"
+    return f"{F.count(len(steps))} unsampled steps ({listed}, ...)"
+
+
 def compiled_row(capture: Mapping[str, Any], cfg: Mapping[str, Any]) -> str:
     """The "torch.compile" row's text ("" where the run recorded nothing compiled). ``capture``: the summary's
     capture; ``cfg``: its config (the built-in loop's says whether it compiled the model, ``compile``)."""
     what = capture.get("compiled") or ("the whole model" if cfg.get("compile") else None)
     sampled, recorded = _int(capture.get("sampled_steps")), _int(capture.get("steps_recorded"))
     if not what:
-        return ""
+        return _other_compiled(capture, sampled)
     what = str(what)
     if sampled == 0:
         return (
@@ -93,4 +107,22 @@ def _random_note(capture: Mapping[str, Any], what: str) -> str:
         "their own random numbers, so an eager step draws other masks and leaves the random-number state "
         "elsewhere, and from the first sampled step on this run trained on other masks than it would have "
         "without precprof (not bitwise it)"
+    )
+
+
+def _other_compiled(capture: Mapping[str, Any], sampled: int | None) -> str:
+    """Where the Profiler's model is not compiled but Dynamo compiled in steps not sampled (the sampler's
+    ``compiled_steps``, the steps table's ``compiled`` column): something else of the loop is, and the sampled
+    steps ran it eagerly too, since the stance they run under is the process's ("" otherwise)."""
+    sampling = _map(capture.get("sampling"))
+    steps = [s for s in (_int(v) for v in sampling.get("compiled_steps") or []) if s is not None]
+    if not steps or not sampled:
+        return ""
+    n = f"{F.count(sampled)} sampled step{'s' if sampled != 1 else ''}"
+    return (
+        f"not the Profiler's model, but torch.compile compiled in {_unsampled_said(steps)}: something else "
+        "this loop runs is compiled (a loss, the optimizer's step, a model the Profiler was not given). A sampled "
+        "step runs every compiled function of the loop eagerly (the force_eager stance precprof sets for it is "
+        f"the whole process's), so on the {n} that code ran eagerly, and what it computed there (a loss, a "
+        "weight update) is eager PyTorch's; the steps not sampled ran it compiled"
     )
