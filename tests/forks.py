@@ -9,7 +9,10 @@ for. The child is a process of its own, as a fresh Python is: its own pid, signa
 KeyboardInterrupt), its own stdin/stdout/stderr (pipes, as ``subprocess.PIPE`` makes), environment, working
 directory, ``sys.argv`` and ``sys.path[0]``; the interpreter's own end (atexit, the wait for its threads). What
 differs from a fresh Python: torch and precprof's package are imported before the command runs (a test of what
-happens while they load starts a real Python), the random seeds of hash() and numpy are the server's.
+happens while they load starts a real Python), the random seeds of hash() and numpy are the server's, and torch's
+C++ log level (``TORCH_CPP_LOG_LEVEL``, read as torch loads) is ERROR where the child's environment names none, as
+``python -m precprof`` sets it before it loads torch: one server serves the commands and the scripts of a worker
+(a second cost 3-4 s of CPU), and a script's child prints none of c10's C++ warnings (Python's warnings it does).
 
 ``popen`` and ``run`` take ``subprocess.Popen``'s and ``subprocess.run``'s arguments; a command they cannot start
 as a fork (not ``sys.executable`` with ``-m``, ``-c`` or a script, an interpreter option, or an environment that
@@ -43,6 +46,10 @@ _RUNTIME_ENV = {
     "FORWARDS",
     "PRECPROF_HELPER_NICENESS",
     "PRECPROF_BLOCK_FORMATS",
+    "KINETO_LOG_LEVEL",  # (read when the first profiler starts: precprof's commands set it, _compat quiets it)
+    "WANDB_SILENT",  # (wandb's: the server does not import wandb)
+    "WANDB_MODE",
+    "WANDB_DIR",
     "TORCHINDUCTOR_CACHE_DIR",  # (set in this process by its first torch.compile; read when compiling)
 }
 _MAX_MESSAGE = 1 << 20
@@ -56,9 +63,14 @@ def _log(text: str) -> None:
             f.write(f"{os.getpid()} {text}\n")
 
 
+# read as torch loads; a server loads it with this value where the child's environment has none (see above)
+_CPP_LOG = ("TORCH_CPP_LOG_LEVEL", "ERROR")
+
+
 def _import_env(env: dict[str, str]) -> tuple[tuple[str, str], ...]:
     """What a server's environment must share with its children's (PYTHONPATH: see ``_Server.path``)."""
     skip = {*_RUNTIME_ENV, "PYTHONPATH"}
+    env = dict([_CPP_LOG, *env.items()])
     return tuple(sorted((k, v) for k, v in env.items() if k not in skip and not k.startswith("PYTEST_")))
 
 
@@ -163,7 +175,7 @@ class _Server:
         self.proc = subprocess.Popen(
             [sys.executable, __file__, str(theirs.fileno())],
             pass_fds=[theirs.fileno()],
-            env={**env, "PYTHONUNBUFFERED": "1"},
+            env={_CPP_LOG[0]: _CPP_LOG[1], **env, "PYTHONUNBUFFERED": "1"},
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             start_new_session=False,
@@ -306,10 +318,8 @@ def _forkable(args: list[str], kwargs: dict[str, Any]) -> bool:
 def popen(args: list[str], **kwargs: Any) -> Any:
     """``processes.popen(args, **kwargs)``: a forked child where it can be (killed at the end of the test too)."""
     env = dict(kwargs.get("env") or os.environ)
-    if args[1:3] == ["-m", "precprof"]:
-        # the command sets these before it loads torch, whose C++ side reads them as it loads (precprof.cli's
-        # _quiet_torch): its server loads torch with them, as the command would
-        env = {"KINETO_LOG_LEVEL": "6", "TORCH_CPP_LOG_LEVEL": "ERROR", **env}
+    # (``python -m precprof`` sets TORCH_CPP_LOG_LEVEL=ERROR before it loads torch, precprof.cli's _quiet_torch:
+    # the server of an environment without one loaded torch so, and the command sets it again as it starts)
     server = _server(env) if _forkable(args, kwargs) else None
     if server is None:
         _log(f"real process: {args[:3]}")
