@@ -12,12 +12,12 @@ import math
 import os
 import re
 import signal
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 from typing import Any
 
+import forks
 import numpy as np
 import pytest
 import torch
@@ -281,7 +281,8 @@ def test_a_killed_run_claims_no_cost_of_a_sampled_step_from_too_few_steps(tmp_pa
     measured cost of profiling, and the page gives none (it says how many steps of each kind were timed)."""
     out = tmp_path / "killed"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), *sys.path])}
-    res = subprocess.run([sys.executable, "-c", KILLED, str(out)], env=env, capture_output=True, timeout=300)
+    # a fork of the preloaded Python (tests/forks.py), killed by a real SIGKILL as a fresh process is
+    res = forks.run([sys.executable, "-c", KILLED, str(out)], env=env, capture_output=True, timeout=300)
     assert res.returncode == -signal.SIGKILL, res.stderr.decode()[-2000:]
     page = precprof.report.render.render_run_dir(out).read_text()
     assert "The run was cut off" in page
