@@ -9,7 +9,6 @@ import json
 import math
 import os
 import struct
-import subprocess
 import sys
 import threading
 import time
@@ -17,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import forks
 import numpy as np
 import pandas as pd
 import pytest
@@ -587,7 +587,7 @@ def test_a_resumed_run_goes_on_in_tensorboard_where_the_killed_job_stopped(tmp_p
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     out, tb = tmp_path / "run", tmp_path / "tb"
-    proc = subprocess.run(
+    proc = forks.run(  # a process of its own (a fork of the preloaded Python: tests/forks.py)
         [sys.executable, "-c", _KILLED_AFTER_7, str(out), str(tb)], capture_output=True, text=True
     )
     assert proc.returncode == 0, proc.stderr
