@@ -10,6 +10,7 @@ import math
 import os
 import re
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -190,7 +191,7 @@ def test_out_is_claimed_at_attach(tmp_path: Path) -> None:
 
 
 _ATTACH_CUT_SHORT = """
-import os, signal, sys, torch
+import os, signal, sys, torch, traceback
 from torch import nn
 import precprof
 from precprof.capture import assembly, profiler
@@ -203,61 +204,122 @@ def ctrl_c(self):
 def fails(*args, **kwargs):
     raise RuntimeError("a hook could not be registered")
 
-if sys.argv[2] == "ctrl-c":  # the last thing attach does, after the claim and the stream
+if sys.argv[-1] == "ctrl-c":  # the last thing attach does, after the claim and the stream
     profiler.Profiler._begin_step = ctrl_c
-elif sys.argv[2] == "error":  # the step hooks, made after the claim
+elif sys.argv[-1] == "error":  # the step hooks, made after the claim
     assembly.StepHooks = fails
-torch.manual_seed(0)
-model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
-opt = torch.optim.SGD(model.parameters(), lr=0.05)
-with precprof.Profiler(model, opt, out=sys.argv[1]) as prof:
-    for step in range(3):
-        model(torch.randn(4, 8)).square().mean().backward()
-        opt.step()
-        opt.zero_grad()
-        prof.step()
-prof.save()
+failed = False
+for out in sys.argv[1:-1]:  # the rerun trains each directory in turn, as a script run once for each would
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        with precprof.Profiler(model, opt, out=out) as prof:
+            for step in range(3):
+                model(torch.randn(4, 8)).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+                prof.step()
+        prof.save()
+        print("saved", out, flush=True)
+    except Exception:
+        if sys.argv[-1] != "none":
+            raise
+        traceback.print_exc()
+        failed = True
+sys.exit(1 if failed else 0)
 """
+
+_CUTS = [(made_by, cut) for made_by in ("the-claim", "the-user") for cut in ("ctrl-c", "error")]
+
+
+@pytest.fixture(scope="module")
+def attaches_cut_short(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Each cut's first run (a process of its own, the four at once), then the rerun: one new process that runs
+    the script's training into each of the four directories (a process per directory cost 2 s of CPU each)."""
+    root = tmp_path_factory.mktemp("attach-cut-short")
+    outs = {case: root / "-".join(case) / "run" for case in _CUTS}
+    for (made_by, _), out in outs.items():
+        out.parent.mkdir()
+        if made_by == "the-user":
+            out.mkdir()
+    first = {
+        case: forks.popen(
+            [sys.executable, "-c", _ATTACH_CUT_SHORT, str(out), case[1]],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=ENV,
+        )
+        for case, out in outs.items()
+    }
+    said = {}
+    for case, proc in first.items():
+        _, err = proc.communicate(timeout=300)
+        out = outs[case]
+        said[case] = (proc.returncode, err, out.exists(), out.is_dir() and list(out.iterdir()) == [])
+    again = forks.run(
+        [sys.executable, "-c", _ATTACH_CUT_SHORT, *map(str, outs.values()), "none"],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=300,
+    )
+    return {"outs": outs, "first": said, "again": again}
 
 
 @pytest.mark.parametrize("cut", ["ctrl-c", "error"])
 @pytest.mark.parametrize("made_by", ["the-claim", "the-user"])
+@pytest.mark.xdist_group("stream-attach-cut-short")  # (one worker runs the fixture's processes)
 def test_an_attach_cut_short_leaves_no_run_to_refuse_the_rerun(
-    tmp_path: Path, cut: str, made_by: str
+    attaches_cut_short: dict[str, Any], cut: str, made_by: str
 ) -> None:
     """A script whose ``Profiler(out=D).attach()`` was stopped by Ctrl-C (a real SIGINT) or an exception left D
     with an empty stream and a summary "running (pid ...) ... killed", and the same script run again was
     refused: "already holds a precprof run (incomplete); choose another out, or pass overwrite=True", for a
     run of no step. What the claim wrote goes with the failed attach: the directory as it was before (gone
     where the claim made it, an empty folder the user made stays), and the rerun trains and saves."""
-    out = tmp_path / "run"
-    if made_by == "the-user":
-        out.mkdir()
-    script = [sys.executable, "-c", _ATTACH_CUT_SHORT, str(out)]
-    first = forks.run([*script, cut], capture_output=True, text=True, env=ENV, timeout=300)
+    out = attaches_cut_short["outs"][made_by, cut]
+    returncode, stderr, existed, empty_dir = attaches_cut_short["first"][made_by, cut]
     expected = "KeyboardInterrupt" if cut == "ctrl-c" else "RuntimeError: a hook could not be registered"
-    assert first.returncode != 0 and expected in first.stderr, first.stderr
+    assert returncode != 0 and expected in stderr, stderr
     if made_by == "the-user":
-        assert out.is_dir() and list(out.iterdir()) == []
+        assert empty_dir
     else:
-        assert not out.exists()
-    again = forks.run([*script, "none"], capture_output=True, text=True, env=ENV, timeout=300)
-    assert again.returncode == 0, again.stderr
+        assert not existed
+    again = attaches_cut_short["again"]
+    assert f"saved {out}" in again.stdout.splitlines(), again.stderr  # the rerun of this directory
     assert T.read_summary(out)[T.SUMMARY_STATUS] == T.STATUS_COMPLETE
     assert T.read_tables(out)["steps"][T.STEP].tolist() == [0, 1, 2]
 
 
-def test_killed_at_three_moments_every_flushed_step_is_readable(tmp_path: Path) -> None:
+def killed_after(out: Path, wait_s: float) -> Path:
+    """A ``forever`` worker's run, SIGKILLed ``wait_s`` after its first flushes were on disk."""
+    proc = worker("forever", out)
+    writer = streaming(proc)
+    time.sleep(wait_s)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=60)
+    wait_ended(writer)  # what it was handed, on disk (read before, the page could say a later step)
+    return out
+
+
+@pytest.fixture(scope="module")
+def killed_at_once(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A run killed as soon as its first flushes were on disk: each test that reads it reads a copy."""
+    return killed_after(tmp_path_factory.mktemp("killed-at-once") / "run", 0.0)
+
+
+@pytest.mark.xdist_group("stream-killed-at-once")  # (one worker kills the fixture's run)
+def test_killed_at_three_moments_every_flushed_step_is_readable(tmp_path: Path, killed_at_once: Path) -> None:
     # killed at once, a little later and later still (each a process that imports torch: five random moments
     # took 30-40 s of the suite)
     for i, wait_s in enumerate((0.0, 0.23, 0.57)):
         out = tmp_path / f"run{i}"
-        proc = worker("forever", out)
-        writer = streaming(proc)
-        time.sleep(wait_s)
-        proc.send_signal(signal.SIGKILL)
-        proc.communicate(timeout=60)
-        wait_ended(writer)  # what it was handed, on disk (read before, the page could say a later step)
+        if wait_s == 0.0:
+            shutil.copytree(killed_at_once, out)
+        else:
+            killed_after(out, wait_s)
         read = T.read_run(out)
         steps = read.tables["steps"]
         assert read.streamed and read.last_step is not None and read.last_step >= 1
@@ -273,13 +335,12 @@ def test_killed_at_three_moments_every_flushed_step_is_readable(tmp_path: Path) 
         assert "Traceback" not in html
 
 
-def test_precprof_report_on_a_killed_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.xdist_group("stream-killed-at-once")
+def test_precprof_report_on_a_killed_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, killed_at_once: Path
+) -> None:
     out = tmp_path / "run"
-    proc = worker("forever", out)
-    writer = streaming(proc)
-    proc.send_signal(signal.SIGKILL)
-    proc.communicate(timeout=60)
-    wait_ended(writer)
+    shutil.copytree(killed_at_once, out)
     res = forks.run(
         [sys.executable, "-m", "precprof", "report", str(out)], capture_output=True, text=True, env=ENV
     )
