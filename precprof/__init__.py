@@ -13,14 +13,21 @@ Public API::
 Each name is loaded when first used: ``precprof.Profiler`` imports torch, which reading run directories
 (`precprof report`, ``recommend``) never needs; ``recommend``, ``Recommendation`` and ``finish_run`` import
 pandas, Arrow and the report. ``import precprof`` itself loads nothing else, so that the command line loads
-its modules under its own Ctrl-C handler (``precprof.__main__``).
+its modules under its own Ctrl-C handler (``precprof.__main__``); in a process that loaded torch before it, it
+loads ``precprof.clipwatch`` (torch's ``clip_grad_norm_`` wrapped, a pass-through while no Profiler is
+attached), so that a function compiled after ``import precprof`` and before the first Profiler never sees the
+function change.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING, Any
 
 from precprof._version import __version__
+
+if "torch" in sys.modules:  # cheap then: torch.nn.utils is loaded
+    from precprof import clipwatch as _clipwatch  # noqa: F401
 
 if TYPE_CHECKING:
     from precprof.analysis.advisor import Recommendation, recommend

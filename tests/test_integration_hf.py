@@ -292,7 +292,7 @@ def test_accumulated_loss_and_grad_norm_are_the_trainers(
     assert steps[T.LOSS].between(3.0, 5.0).all(), steps[T.LOSS].tolist()
     assert steps[T.TOKENS].tolist() == [n * BATCH * SEQ for n in windows.sizes]
     # without a Trainer to read (no_trainer), the norm comes from the clip_grad_norm_ call the loop makes
-    # (precprof.capture.clipwatch): the same number the Trainer logs
+    # (precprof.clipwatch): the same number the Trainer logs
     assert steps[T.GRAD_NORM].tolist() == pytest.approx([h["grad_norm"] for h in logged], rel=1e-6)
     # the taps are gone: the Trainer's methods are its class's again
     assert "training_step" not in vars(trainer) and "clip_grad_norm_" not in vars(trainer.accelerator)

@@ -19,6 +19,7 @@ from scenarios.loop import backward_and_step
 from torch import nn
 
 import precprof
+from precprof import clipwatch
 from precprof import tables as T
 from precprof.analysis import advisor
 from precprof.analysis.advisor import AdvisorConfig
@@ -86,9 +87,10 @@ def test_grad_norm_comes_from_the_loops_clip_grad_norm() -> None:
     # the norm clip_grad_norm_ measured, before it clipped, on every step (sampled or not)
     assert recorded == pytest.approx(norms, rel=1e-6)
     assert max(norms) > 0.5  # the clip really clipped: the recorded norm is not the clipped one
-    # torch's own function is back after detach, and the wrapper changed nothing in training
-    assert torch.nn.utils.clip_grad_norm_ is ORIGINAL_CLIP
-    assert torch.nn.utils.clip_grad.clip_grad_norm_ is ORIGINAL_CLIP
+    # the wrapper stays (compiled code never sees it change), watching for no one after detach, and it changed
+    # nothing in training
+    assert torch.nn.utils.clip_grad_norm_ is ORIGINAL_CLIP is torch.nn.utils.clip_grad.clip_grad_norm_
+    assert not clipwatch._watchers
     plain_losses, _, plain_weights, _ = clipped_loop(profile=False)
     assert losses == plain_losses
     assert all(torch.equal(weights[k], plain_weights[k]) for k in weights)
@@ -123,8 +125,8 @@ def _clipping_loop(steps: int, clip: Callable[[nn.Module], float]) -> tuple[prec
 @pytest.mark.skipif(not hasattr(torch.nn.utils, "clip_grads_with_norm_"), reason="torch < 2.6")
 def test_a_clip_split_in_two_is_recorded_too() -> None:
     """torch 2.6's ``get_total_norm`` then ``clip_grads_with_norm_`` (torchtitan's clip is built so): the norm
-    was not recorded (every step's grad_norm nan). The norm the loop clipped with is; torch's own functions are
-    back after detach."""
+    was not recorded (every step's grad_norm nan). The norm the loop clipped with is; the wrapper stays, watching
+    for no one after detach."""
     original = torch.nn.utils.clip_grads_with_norm_
 
     def clip(model: nn.Module) -> float:
@@ -135,7 +137,7 @@ def test_a_clip_split_in_two_is_recorded_too() -> None:
     prof, norms = _clipping_loop(3, clip)
     recorded = prof.tables()["steps"].sort_values(T.STEP)[T.GRAD_NORM].to_numpy(dtype=float)
     assert recorded == pytest.approx(norms, rel=1e-6)
-    assert torch.nn.utils.clip_grads_with_norm_ is original
+    assert torch.nn.utils.clip_grads_with_norm_ is original and not clipwatch._watchers
 
 
 def test_an_inf_norm_clip_is_named_as_such() -> None:

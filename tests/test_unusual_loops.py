@@ -17,6 +17,7 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 import precprof
+from precprof import clipwatch
 from precprof import tables as T
 
 
@@ -269,10 +270,11 @@ def _notebook_cell(
 def test_a_profiler_left_attached_by_a_loop_that_raised_is_detached_when_the_cell_runs_again() -> None:
     """The cell's loop raised in a sampled step; the user fixed it and ran the cell again, a new Profiler on the
     same model. The first one stayed attached for the whole process: its hooks kept firing beside the new one's,
-    ``scaler.update`` and ``clip_grad_norm_`` stayed wrapped, and its saved-tensor hooks around the model's
-    forward left the new Profiler no activations to measure (it blamed saved-tensor hooks of the user's own).
-    Attaching the new one detaches the old one, with a warning: the new run measures what autograd saves in the
-    model's forward (the test's own saved-tensor hooks), and nothing of precprof is left after its detach."""
+    ``scaler.update`` stayed wrapped (and ``clip_grad_norm_`` noting for it), and its saved-tensor hooks around
+    the model's forward left the new Profiler no activations to measure (it blamed saved-tensor hooks of the
+    user's own). Attaching the new one detaches the old one, with a warning: the new run measures what autograd
+    saves in the model's forward (the test's own saved-tensor hooks), and nothing of precprof is left after its
+    detach."""
     clip = torch.nn.utils.clip_grad_norm_
     model = _mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -305,7 +307,7 @@ def test_a_profiler_left_attached_by_a_loop_that_raised_is_detached_when_the_cel
         assert not mod._forward_pre_hooks and not mod._forward_hooks
     assert not any(getattr(p, "_post_accumulate_grad_hooks", None) for p in model.parameters())
     assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
-    assert "update" not in vars(scaler) and torch.nn.utils.clip_grad_norm_ is clip
+    assert "update" not in vars(scaler) and torch.nn.utils.clip_grad_norm_ is clip and not clipwatch._watchers
     stale = kept[0]
     assert not stale.attached and stale.status[0] == T.STATUS_INCOMPLETE
     assert "detached when another Profiler attached" in str(stale.status[1])

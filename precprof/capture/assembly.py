@@ -11,9 +11,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from precprof import _compat
+from precprof import _compat, clipwatch
 from precprof import stats as st
-from precprof.capture import clipwatch, given
+from precprof.capture import given
 from precprof.capture.block_budget import BlockDeal
 from precprof.capture.collect import Collector
 from precprof.capture.hooks import StepHooks

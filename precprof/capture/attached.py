@@ -4,9 +4,9 @@ detached before another attaches over it.
 ``prof = Profiler(model, ...).attach()`` ... ``prof.detach()`` is the form for a loop at a notebook's top level.
 When the loop raises (a bug) and the user fixes it and runs the cell again, the first Profiler is never detached:
 its hooks stay on the model and keep firing, its memory hooks wrap every forward (the new Profiler measured no
-activations, and blamed saved-tensor hooks of the user's own), ``scaler.update`` and ``clip_grad_norm_`` stay
-wrapped, and a sampled step's ``force_eager`` compiler stance stays in force in the whole process (no
-``torch.compile``d model compiled again). Nothing collects it: autograd holds its hooks on the model's tensors,
+activations, and blamed saved-tensor hooks of the user's own), ``scaler.update`` stays wrapped and
+``clip_grad_norm_`` keeps noting for it, and a sampled step's ``force_eager`` compiler stance stays in force in
+the whole process (no ``torch.compile``d model compiled again). Nothing collects it: autograd holds its hooks on the model's tensors,
 out of the garbage collector's sight.
 
 So when a Profiler attaches, another one still attached is detached, with a warning, when

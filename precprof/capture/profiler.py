@@ -32,10 +32,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from precprof import _compat, _signals, rundir
+from precprof import _compat, _signals, clipwatch, rundir
 from precprof import stats as st
 from precprof import tables as T
-from precprof.capture import attached, clipwatch, given
+from precprof.capture import attached, given
 from precprof.capture.assembly import PartsAssembly
 from precprof.capture.block_budget import DEFAULT_SHARE, BlockDeal
 from precprof.capture.collect import Collector
@@ -423,7 +423,7 @@ class Profiler(PartsAssembly, ProfilerResults, OptimizerSwitch):
         ``loss`` and ``grad_norm`` may be device tensors: they are kept on the device and copied with the
         next sampled step's statistics (no sync here on steps that are not sampled). Without ``grad_norm``, the
         norm that ``torch.nn.utils.clip_grad_norm_`` returned in this step is recorded, if the loop clipped
-        (``precprof.capture.clipwatch``). ``tokens``: tokens processed in the step, for throughput.
+        (``precprof.clipwatch``). ``tokens``: tokens processed in the step, for throughput.
         """
         if not self._attached:
             raise RuntimeError("Profiler.step() called while the profiler is not attached (use `with prof:`)")

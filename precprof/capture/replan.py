@@ -18,7 +18,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from precprof.capture import clipwatch
+from precprof import clipwatch
 from precprof.capture.plan import CapturePlan
 
 # what the hooks count or found over the run, carried over to the hooks of the new plan

@@ -22,7 +22,7 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
-from precprof import _compat
+from precprof import _compat, clipwatch
 
 _FAIL = "fail_on_recompile"
 # the sampled steps in progress that found force_eager set by another Profiler's (two models, one Profiler each):
@@ -92,8 +92,18 @@ class SampledStance:
 
     def explain(self, exc: BaseException | None, step: int) -> None:
         """A ``fail_on_recompile`` error raised before any step ran compiled code compiled: say that it is the
-        model's first compile, moved there by precprof's eager sampled steps, and what to do."""
-        if exc is None or self._unsampled_seen or _FAIL not in str(exc) or not hasattr(exc, "add_note"):
+        model's first compile, moved there by precprof's eager sampled steps, and what to do. One whose guard is
+        on torch's clip function, wrapped after the function compiled (``precprof.clipwatch``): say that."""
+        if exc is None or _FAIL not in str(exc) or not hasattr(exc, "add_note"):
+            return
+        if clipwatch.wrapped_after_compile and "clip_grad" in str(exc):  # a guard on torch's clip function
+            exc.add_note(
+                "precprof: torch.nn.utils.clip_grad_norm_ was wrapped (to note its norm) when the first Profiler "
+                "was made, after this function had compiled, and Dynamo guards on it: import precprof after "
+                "torch, or `from precprof import Profiler`, before compiling"
+            )
+            return
+        if self._unsampled_seen:
             return
         exc.add_note(
             f"precprof: steps before {step} were sampled and ran compiled code eagerly (force_eager), so nothing "

@@ -1,10 +1,10 @@
 """The gradient norm of a loop that clips: ``torch.nn.utils.clip_grad_norm_``'s return value, recorded.
 
 Most training loops compute the gradient norm anyway, to clip it (nanoGPT's ``train.py``, the Trainer, Lightning's
-``gradient_clip_val``), and rarely pass it to ``Profiler.step``. While a profiler is attached,
-``torch.nn.utils.clip_grad_norm_`` (and ``torch.nn.utils.clip_grad.clip_grad_norm_``) is wrapped: the call and
-its return value are unchanged, and the returned norm — a device scalar, no sync — is noted for every attached
-profiler whose model owns the clipped parameters. ``Profiler.step()`` without ``grad_norm`` takes it.
+``gradient_clip_val``), and rarely pass it to ``Profiler.step``. ``torch.nn.utils.clip_grad_norm_`` (and
+``torch.nn.utils.clip_grad.clip_grad_norm_``) is wrapped: the call and its return value are unchanged, and while
+a profiler is attached the returned norm — a device scalar, no sync — is noted for every attached profiler whose
+model owns the clipped parameters. ``Profiler.step()`` without ``grad_norm`` takes it.
 
 What is noted:
 
@@ -15,17 +15,29 @@ What is noted:
 - A distributed tensor (FSDP2) norm is noted only when it is replicated (its local value is the norm).
 - ``clip_grads_with_norm_(parameters, max_norm, total_norm)`` (torch >= 2.6), after ``get_total_norm``: its
   ``total_norm`` is noted the same way.
-- A name bound before ``attach()`` (``from torch.nn.utils import clip_grad_norm_`` at import time) still
-  points at torch's own function and is not seen: pass ``grad_norm=`` there.
+- A name bound before precprof wrapped torch's function (``from torch.nn.utils import clip_grad_norm_`` run
+  before this module was imported) still points at torch's own and is not seen: pass ``grad_norm=`` there.
+- A clip inside a ``torch.compile``d function is noted on the sampled steps only (they run compiled code
+  eagerly); on the other steps the wrapper calls torch's function and notes nothing, so a loop that compiles its
+  clip passes ``grad_norm=`` for the steps not sampled (its compiled function's returned norm).
 
-The wrapper is installed by the first attached profiler and removed with the last one, unless someone else
-wrapped the function after it (then it stays, and stops noting).
+The wrappers are installed once, when this module is first imported: by ``import precprof`` when torch is loaded
+already, else with ``precprof.Profiler``. They are never removed, so that compiled code never sees them change:
+Dynamo guards on the function (its ``__code__``), and a swap at ``attach()`` and back at ``detach()`` made every
+compiled function that clips recompile at both, which ``torch.compiler.set_stance("fail_on_recompile")`` refused.
+Under ``torch.compile`` (``torch.compiler.is_compiling()``) a wrapper only calls torch's function and reads
+nothing of precprof's, so the graph is torch's and nothing guards on whether a Profiler is attached. With no
+Profiler attached it is a pass-through: the same call, return value and exceptions. A function compiled and run
+before the wrappers were installed (``import precprof`` before ``import torch``, and the first
+``precprof.Profiler`` after the compile) recompiles once, when they are.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
+import types
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -34,10 +46,12 @@ import torch
 import torch.nn.utils as nn_utils
 from torch.nn.utils import clip_grad as _clip_grad_mod
 
+from precprof import _compat
+
 _lock = threading.Lock()
 _watchers: weakref.WeakSet[ClipNorms] = weakref.WeakSet()
-# per wrapped function's name: (torch's own, the wrapper installed in its place)
-_installed: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {}
+# whether Dynamo held compiled code when the wrappers went in: a compiled clip recompiles once (stance.explain)
+wrapped_after_compile = False
 
 
 class ClipNorms:
@@ -91,18 +105,30 @@ def _note(params: list[torch.Tensor], norm: Any, norm_type: float) -> None:
             w.note(ids, local, norm_type)
 
 
+def _params(parameters: Any) -> tuple[Any, list[torch.Tensor]]:
+    """What to hand torch's function in place of ``parameters``, and the parameters as a list: a generator is
+    read once here and handed on as a generator of the same tensors (torch warns of an empty one)."""
+    if isinstance(parameters, torch.Tensor):
+        return parameters, [parameters]
+    params = list(parameters)
+    return ((p for p in params) if isinstance(parameters, types.GeneratorType) else params), params
+
+
 def _make_wrapper(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    @functools.wraps(original)
     def clip_grad_norm_(
         parameters: Any, max_norm: float, norm_type: float = 2.0, *args: Any, **kwargs: Any
     ) -> Any:
-        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        norm = original(params, max_norm, norm_type, *args, **kwargs)
+        # is_compiling() first: Dynamo reads it as a constant and never reaches _watchers (no guard on it)
+        if torch.compiler.is_compiling() or not _watchers:
+            return original(parameters, max_norm, norm_type, *args, **kwargs)
+        handed, params = _params(parameters)
+        norm = original(handed, max_norm, norm_type, *args, **kwargs)
         p = float(norm_type)
         _note(params, norm, p if math.isfinite(p) else math.inf)
         return norm
 
-    clip_grad_norm_.__doc__ = original.__doc__
-    clip_grad_norm_.__wrapped__ = original  # type: ignore[attr-defined]
+    clip_grad_norm_._precprof_original = original  # type: ignore[attr-defined]
     return clip_grad_norm_
 
 
@@ -112,15 +138,18 @@ def _make_with_norm_wrapper(original: Callable[..., None]) -> Callable[..., None
     ``total_norm`` is the norm the loop clipped with, noted as ``clip_grad_norm_``'s return is (a 2-norm
     unless the loop asked for another, which this call does not say)."""
 
+    @functools.wraps(original)
     def clip_grads_with_norm_(
         parameters: Any, max_norm: float, total_norm: Any, *args: Any, **kwargs: Any
     ) -> None:
-        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        original(params, max_norm, total_norm, *args, **kwargs)
+        if torch.compiler.is_compiling() or not _watchers:
+            return original(parameters, max_norm, total_norm, *args, **kwargs)
+        handed, params = _params(parameters)
+        original(handed, max_norm, total_norm, *args, **kwargs)
         _note(params, total_norm, 2.0)
+        return None
 
-    clip_grads_with_norm_.__doc__ = original.__doc__
-    clip_grads_with_norm_.__wrapped__ = original  # type: ignore[attr-defined]
+    clip_grads_with_norm_._precprof_original = original  # type: ignore[attr-defined]
     return clip_grads_with_norm_
 
 
@@ -130,34 +159,31 @@ _WRAPPERS: dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]] = {
 }
 
 
+def _install() -> None:
+    """Wrap torch's functions, once per process (a second import of this module, a reload, wraps nothing
+    again); where ``torch.nn.utils.clip_grad`` holds the same function, it gets the same wrapper."""
+    global wrapped_after_compile
+    for name, make in _WRAPPERS.items():
+        original = getattr(nn_utils, name, None)
+        if original is None or hasattr(original, "_precprof_original"):  # a torch without it; wrapped already
+            continue
+        wrapper = make(original)
+        wrapped_after_compile = wrapped_after_compile or _compat.compiled_code()
+        setattr(nn_utils, name, wrapper)
+        if getattr(_clip_grad_mod, name, None) is original:
+            setattr(_clip_grad_mod, name, wrapper)
+
+
 def watch(norms: ClipNorms) -> None:
-    """Start noting clip_grad_norm_ (and clip_grads_with_norm_) calls for ``norms`` (installs the wrappers on
-    the first watcher)."""
+    """Start noting clip_grad_norm_ (and clip_grads_with_norm_) calls for ``norms``."""
     with _lock:
-        if not _installed:
-            for name, make in _WRAPPERS.items():
-                original = getattr(nn_utils, name, None)
-                if original is None:  # a torch without it
-                    continue
-                wrapper = make(original)
-                _installed[name] = (original, wrapper)
-                setattr(nn_utils, name, wrapper)
-                if hasattr(_clip_grad_mod, name):
-                    setattr(_clip_grad_mod, name, wrapper)
         _watchers.add(norms)
 
 
 def unwatch(norms: ClipNorms) -> None:
-    """Stop noting for ``norms``; the last watcher puts torch's functions back (where the wrappers are still
-    there: one someone else wrapped after precprof stays, and stops noting)."""
+    """Stop noting for ``norms`` (the wrappers stay: with no watcher they only call torch's functions)."""
     with _lock:
         _watchers.discard(norms)
-        if _watchers:
-            return
-        for name, (original, wrapper) in list(_installed.items()):
-            if getattr(nn_utils, name, None) is wrapper:
-                setattr(nn_utils, name, original)
-            if getattr(_clip_grad_mod, name, None) is wrapper:
-                setattr(_clip_grad_mod, name, original)
-            if getattr(nn_utils, name, None) is not wrapper:
-                del _installed[name]
+
+
+_install()
