@@ -874,14 +874,16 @@ def test_the_summary_and_the_page_say_what_was_compiled(tmp_path: Path) -> None:
 def test_the_dropout_caveat_is_inductors_alone(tmp_path: Path, backend: str) -> None:
     """A model with dropout compiled with the eager or aot_eager backend trains bitwise as without precprof
     (torch's own masks): the page said inductor drew other masks and the run was "not bitwise" the unprofiled
-    one, because the summary named no backend and every compile was taken for inductor's."""
+    one, because the summary named no backend and every compile was taken for inductor's. A run whose every step
+    was sampled (eager) drew eager's masks where the unprofiled run drew inductor's: it says so too."""
     from precprof.report import render_report
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.Dropout(0.1), nn.Linear(32, 8))
     compiled = torch.compile(model, backend=backend)
     with precprof.Profiler(compiled, sample_every=2, memory=False) as prof:
-        pass
+        compiled(torch.randn(4, 16)).sum().backward()  # a sampled step: eager, nothing compiled
+        prof.step()
     summary = {T.SUMMARY_CAPTURE: prof.summary()}
     page = render_report(prof.tables(), summary, tmp_path / "report.html").read_text()
     row = page.split("torch.compile</th><td>", 1)[1].split("</td>", 1)[0]

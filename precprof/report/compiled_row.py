@@ -82,7 +82,7 @@ def compiled_row(capture: Mapping[str, Any], cfg: Mapping[str, Any]) -> str:
         return (
             f"{what}: every step was sampled, and a sampled step runs it eagerly (for the hooks): no step of this "
             f"run ran compiled, so its {eager} are eager PyTorch's (sample fewer steps to see compiled ones: {sample_every_setting(cfg)} with N "
-            "above 1)"
+            "above 1)" + _random_note(capture, what)
         )
     text = (
         f"{what}: the steps not sampled ran compiled; the sampled ones ran it eagerly (for the hooks), so their "
