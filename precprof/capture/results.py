@@ -375,6 +375,7 @@ class ProfilerResults:
             "error": sink.error,
             "writer": sink.writer,  # "process" (its own), or "thread" where the process could not start
             "writer_note": sink.writer_note,
+            **sink.timing(),  # the training's thread's wait for the writer (waited_s, waits), its pickling
             "resumed_from": self._first_step if sink.segment.index > 0 else None,
         }
 

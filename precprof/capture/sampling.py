@@ -411,6 +411,7 @@ class Sampler:
         out["overhead"] = self.overhead
         out["overhead_sampled"] = self.sampled_overhead  # the part the budget bounds
         out["overhead_every_step"] = self.own_share  # Profiler.step() on every step, sampled or not
+        out["run_s"] = self.total_s  # the time the shares are of: every step's but the warm-ups'
         out["step_call_s"] = self.own_s / self.own_steps if self.own_steps else None
         base = self.unsampled_s
         out["unsampled_step_s"] = base

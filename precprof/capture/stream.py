@@ -32,6 +32,7 @@ import contextlib
 import os
 import queue
 import threading
+import time
 import weakref
 from pathlib import Path
 from typing import Any
@@ -63,6 +64,12 @@ class StreamWriter:
         # who writes: a process of its own, or this writer's thread
         self.writer = "process" if USE_PROCESS else "thread"
         self.writer_note: str | None = None  # why the thread writes, where the process could not
+        # the training's thread: sampled steps waiting for room in the queue (the writer behind), and how many
+        # did; making flushes ready (pickled for the process, Arrow tables for the thread)
+        self.waited_s = 0.0
+        self.waits = 0
+        self.prepared_s = 0.0
+        self._niceness: int | None = None  # the writer process's, read at the first wait
         self._seq = 0
         self._current: list[Flush] = []  # the flushes being written
         self._queue: queue.Queue[Flush | None] = queue.Queue(maxsize=max(1, max_queued))
@@ -103,11 +110,13 @@ class StreamWriter:
         it."""
         if flush.empty:
             return
+        t0 = time.perf_counter()
         with _signals.deferred(None), contextlib.suppress(Exception):
             if self.writer == "process":
                 flush._wire = self._wire.encode(flush)
             else:
                 flush.arrow()
+        self.prepared_s += time.perf_counter() - t0
         while True:
             if not self._thread.is_alive():  # closed: keep it in memory rather than lose it
                 self.unwritten.append(flush)
@@ -124,8 +133,38 @@ class StreamWriter:
         """Wait until ``put`` finds room at once (the writer took what waited), or the writer is closed: the
         Profiler waits here before it stamps a sampled step's time, so that the steps table's ``time_s`` holds
         the wait, as the step did (a step that waited 27 ms for a writer behind had read 2.4 ms there)."""
+        if not (self._thread.is_alive() and len(self._queue.queue) >= self._queue.maxsize):
+            return
+        t0 = time.perf_counter()  # the writer is behind the training: the step's wait, for the summary
         while self._thread.is_alive() and len(self._queue.queue) >= self._queue.maxsize:
             self._wait_for_room()
+        self.waited_s += time.perf_counter() - t0
+        self.waits += 1
+        if self._niceness is None:
+            self._niceness = self._read_niceness()
+
+    def timing(self) -> dict[str, Any]:
+        """What the stream cost the training's thread, for the summary: ``waited_s``, the seconds sampled steps
+        waited for room in the queue (``make_room``: they came faster than the writer wrote them, a writer
+        process starved of CPU at its niceness, ``writer_niceness`` as read at the first wait, or a slow disk),
+        in ``waits`` steps (a wait of ``put`` at the end of the run, outside any step, is not counted);
+        ``prepared_s``, the seconds it made flushes ready for the writer (pickled, or Arrow tables made)."""
+        return {
+            "waited_s": self.waited_s,
+            "waits": self.waits,
+            "prepared_s": self.prepared_s,
+            "writer_niceness": self._niceness,
+        }
+
+    def _read_niceness(self) -> int | None:
+        """The writer process's niceness, read from outside (None: the thread writes, or it cannot be read)."""
+        proc, getpriority = self._proc, getattr(os, "getpriority", None)
+        if self.writer != "process" or proc is None or getpriority is None:
+            return None
+        try:
+            return int(getpriority(os.PRIO_PROCESS, proc.proc.pid))
+        except OSError:  # it ended
+            return None
 
     def _wait_for_room(self) -> None:
         """The writer is behind the training: wait until it takes a flush (its ``get`` notifies at once; a sleep

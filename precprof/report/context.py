@@ -24,6 +24,7 @@ from precprof.report import blocks, environment, plots, timeline
 from precprof.report import filters as F
 from precprof.report import memory_summary as M
 from precprof.report import summarize as S
+from precprof.report.overhead import writer_wait
 
 SEVERITY_ORDER = {"critical": 0, "error": 0, "warning": 1, "info": 2}
 
@@ -374,7 +375,9 @@ def _overhead(summary: Mapping[str, Any], tp: dict[str, Any]) -> str:
         # cost was noise, the plain share had read as measured
         text = f"at most {text}"
         said.append("an upper bound: a sampled step adds less than the steps' times vary")
-    return text + (f" ({'; '.join(said)})" if said else "")
+    # sampled steps that waited for the run directory's writer: how much of precprof's time, and what to do
+    wait = "" if withheld or not isinstance(capture, Mapping) else writer_wait(capture)
+    return text + (f" ({'; '.join(said)})" if said else "") + (f". {wait}" if wait else "")
 
 
 def _overhead_unsampled(sampling: Mapping[str, Any], tp: Mapping[str, Any]) -> str:
