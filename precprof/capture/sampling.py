@@ -53,7 +53,9 @@ less than the steps vary, this errs on the side of the budget: what it says it t
 The overhead reached (``overhead``) is the sampled steps' added time (``sampled_overhead``, what the budget
 bounds) and what ``Profiler.step()`` itself takes on every step (``own_share``: its host time on the unsampled
 steps, 90-190 us after a 4-15 ms CPU step, 7.6% of such a run, which the overhead said before left out).
-Sampling fewer steps does not lower the latter, so the budget does not spend it.
+Sampling fewer steps does not lower the latter, so the budget does not spend it. The summary splits the former
+by the sampled steps' reason (``overhead_by_reason``): the first steps and those right after a step that matters,
+sampled beyond the budget by design, may take it past the budget, and the report says by how much.
 """
 
 from __future__ import annotations
@@ -112,9 +114,10 @@ class Sampler:
     _unsampled: deque[float] = field(default_factory=lambda: deque(maxlen=UNSAMPLED_WINDOW))
     _ordered: list[float] = field(default_factory=list)  # the same, in order: their median without a sort
     # each sampled step's added time, fixed when it ended; those that ended before any unsampled step was
-    # timed wait in ``_uncosted`` (their times) until one is
+    # timed wait in ``_uncosted`` (their times and reasons) until one is
     _added: list[float] = field(default_factory=list)
-    _uncosted: list[float] = field(default_factory=list)
+    _uncosted: list[tuple[float, str]] = field(default_factory=list)  # (time, reason)
+    _spent_by: dict[str, float] = field(default_factory=dict)  # ``_spent`` by the steps' sample reason
     _spent: float = 0.0  # the sum of ``_added``
     _expected: float = 0.0  # the mean of the last ``COST_WINDOW`` of ``_added`` plus its standard error
     _losses: deque[float] = field(default_factory=lambda: deque(maxlen=SPIKE_WINDOW))
@@ -262,9 +265,9 @@ class Sampler:
         base = self.unsampled_s if base is None else base
         if base is None:
             return self._spent
-        return self._spent + sum(t - base for t in self._uncosted)
+        return self._spent + sum(t - base for t, _ in self._uncosted)
 
-    def _cost(self, added: float) -> None:
+    def _cost(self, added: float, reason: str) -> None:
         """A sampled step's added time, fixed. One that took less than the base (below 0) says the base is
         stale (steps got faster since the unsampled ones it rests on: the end of a stall) or noise, no saving:
         counted as 0, and the next step is timed unsampled before another is sampled (kept, the end of a 0.1 s
@@ -272,6 +275,7 @@ class Sampler:
         self._below_base = added < 0
         self._added.append(max(0.0, added))
         self._spent += self._added[-1]
+        self._spent_by[reason] = self._spent_by.get(reason, 0.0) + self._added[-1]
         # what the next one is expected to add, once per sampled step (statistics.stdev sums exact fractions:
         # on every step's decision, twice, it took 150 us of an unsampled step's prof.step())
         recent = self._added[-COST_WINDOW:]
@@ -314,9 +318,9 @@ class Sampler:
             self.sampled_times.append(time_s)
             base = self._recent_base()
             if base is None:
-                self._uncosted.append(time_s)
+                self._uncosted.append((time_s, reason))
             else:
-                self._cost(time_s - base)
+                self._cost(time_s - base, reason)
         elif compiled and self._unsampled_seen and self._compiled_in_a_row < COMPILES_IN_A_ROW:
             self._compiled_in_a_row += 1  # a recompile's time, not the training's
             self.compiled_at.append(step)
@@ -328,8 +332,8 @@ class Sampler:
             bisect.insort(self._ordered, time_s)
             self._unsampled.append(time_s)
             uncosted, self._uncosted = self._uncosted, []
-            for t in uncosted:  # the first steps, costed against the first one timed
-                self._cost(t - time_s)
+            for t, why in uncosted:  # the first steps, costed against the first one timed
+                self._cost(t - time_s, why)
         else:  # the first unsampled step: a compiled model's first compiled run (see the module docstring)
             self._unsampled_seen = True
             if compiled:
@@ -383,6 +387,12 @@ class Sampler:
             return None
         return max(0.0, self.spent_s(base)) / self.total_s
 
+    def overhead_by_reason(self) -> dict[str, float] | None:
+        """``sampled_overhead`` by the sampled steps' reason (shares summing to it; None where it is None)."""
+        if self.sampled_overhead is None:
+            return None
+        return {r: added / self.total_s for r, added in self._spent_by.items()}
+
     @property
     def overhead(self) -> float | None:
         """The overhead reached: what sampled steps added and what ``Profiler.step()`` took on every step, over
@@ -411,6 +421,10 @@ class Sampler:
         out["overhead"] = self.overhead
         out["overhead_sampled"] = self.sampled_overhead  # the part the budget bounds
         out["overhead_every_step"] = self.own_share  # Profiler.step() on every step, sampled or not
+        # overhead_sampled by the sampled steps' reason: what the steps sampled beyond the budget (the first ones,
+        # those right after a step that matters, up to ``trigger_headroom`` budgets) added
+        out["overhead_by_reason"] = self.overhead_by_reason()
+        out["trigger_headroom"] = TRIGGER_HEADROOM
         out["run_s"] = self.total_s  # the time the shares are of: every step's but the warm-ups'
         out["step_call_s"] = self.own_s / self.own_steps if self.own_steps else None
         base = self.unsampled_s

@@ -24,7 +24,7 @@ from precprof.report import blocks, environment, plots, timeline
 from precprof.report import filters as F
 from precprof.report import memory_summary as M
 from precprof.report import summarize as S
-from precprof.report.overhead import writer_wait
+from precprof.report.overhead import past_budget, writer_wait
 
 SEVERITY_ORDER = {"critical": 0, "error": 0, "warning": 1, "info": 2}
 
@@ -369,7 +369,8 @@ def _overhead(summary: Mapping[str, Any], tp: dict[str, Any]) -> str:
     else:
         said.extend(overhead_parts(sampling))
     if sampling.get("mode") == "budget" and isinstance(budget, (int, float)) and math.isfinite(budget):
-        said.append(f"budget {F.pct(float(budget))}")
+        past = "" if withheld else past_budget(sampling)[0]  # steps sampled beyond it by design took it past
+        said.append(f"budget {F.pct(float(budget))}" + (f", {past}" if past else ""))
     if within_noise(tp):
         # the sampler counted what each sampled step seemed to add, clipped at 0: beside a card that says the
         # cost was noise, the plain share had read as measured

@@ -18,6 +18,7 @@ from precprof.analysis.throughput import MIN_STEPS, timed_enough, within_noise
 from precprof.report import filters as F
 from precprof.report.blocks import group_range
 from precprof.report.compiled_row import compiled_row
+from precprof.report.overhead import past_budget
 
 Rows = list[tuple[str, str]]
 
@@ -796,7 +797,11 @@ def _overhead_reached(s: Mapping[str, Any], tp: Mapping[str, Any] | None) -> str
         return f" (what they took is not measured: {withheld})"
     bound = "at most " if tp is not None and within_noise(tp) else ""
     if isinstance(part, (int, float)) and math.isfinite(part):
-        return f" (they took {bound}{F.pct(float(part))}; precprof in all {bound}{F.pct(float(overhead))})"
+        _, past = past_budget(s)  # steps sampled beyond the budget by design took it past: which, and why
+        past = f"; {past}" if past else ""
+        return (
+            f" (they took {bound}{F.pct(float(part))}; precprof in all {bound}{F.pct(float(overhead))}{past})"
+        )
     return f" (it took {bound}{F.pct(float(overhead))})"
 
 

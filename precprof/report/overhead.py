@@ -1,6 +1,9 @@
 """What the report says of precprof's overhead beside its share of the run's time, from the run's own figures
 (``capture.sampling`` and ``capture.stream`` of the summary):
 
+- ``past_budget``: where the sampled steps took more than the budget, which steps sampled beyond it by design
+  took it there (the first steps; those right after a step that matters, up to ``trigger_headroom`` budgets),
+  with what they added: "within 3%" stood beside "they took 5.73%", unexplained;
 - ``writer_wait``: where sampled steps waited for the run directory's writer (``Profiler(out=...)``: a process at
   the lowest priority, which on busy cores gets next to no CPU), how much of precprof's time that was and what to
   do: a run 20x slower than without precprof had said 88.9% and no cause.
@@ -19,6 +22,17 @@ WRITER_WAIT_SAID = 0.10
 # the environment variable that sets the writer process's niceness (precprof._priority.NICENESS_ENV)
 NICENESS_ENV = "PRECPROF_HELPER_NICENESS"
 
+# capture.sampling.REASON_FIRST: the first steps of a budgeted run, sampled whatever the budget
+FIRST = "first"
+# capture.sampling.REASON_SPIKE, _NONFINITE, _SKIPPED: a step right after one of these is sampled beyond the
+# budget; what the step was, in words
+EVENTS = {"loss spike": "loss spikes", "nonfinite loss": "non-finite losses", "skipped step": "skipped steps"}
+EVENT = {
+    "loss spike": "a loss spike",
+    "nonfinite loss": "a non-finite loss",
+    "skipped step": "a skipped step",
+}
+
 
 def _number(v: Any) -> float | None:
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
@@ -26,6 +40,60 @@ def _number(v: Any) -> float | None:
 
 def _map(v: Any) -> Mapping[str, Any]:
     return v if isinstance(v, Mapping) else {}
+
+
+def _steps(n: int, what: str) -> str:
+    return f"the {F.count(n)} {what}" if n > 1 else f"the {what.replace('steps', 'step', 1)}"
+
+
+def past_budget(sampling: Mapping[str, Any]) -> tuple[str, str]:
+    """Where budgeted sampling's sampled steps took more than the budget and steps sampled beyond it by design
+    added to it: (the header's words, the environment's), else ("", ""). The header's only where those steps
+    took it past (what the rest added is within the budget); the environment's says what they added either way.
+    From the summary's sample reasons and ``overhead_by_reason``; ("", "") where it has none (an older run)."""
+    budget, part = _number(sampling.get("budget")), _number(sampling.get("overhead_sampled"))
+    by = _map(sampling.get("overhead_by_reason"))
+    reasons = _map(sampling.get("reasons"))
+    if sampling.get("mode") != "budget" or budget is None or part is None or not by:
+        return "", ""
+    if part <= budget or F.pct(part) == F.pct(budget):
+        return "", ""
+    kinds = [r for r in EVENTS if int(reasons.get(r) or 0) > 0]
+    n_events = sum(int(reasons[r]) for r in kinds)
+    added_events = sum(_number(by.get(r)) or 0.0 for r in kinds)
+    who: list[tuple[str, float]] = []
+    rest = part
+    if n_events:
+        what = " or ".join(EVENTS[r] for r in kinds) if n_events > 1 else EVENT[kinds[0]]
+        who.append((_steps(n_events, f"steps sampled right after {what}"), added_events))
+        rest -= added_events
+    n_first, added_first = int(reasons.get(FIRST) or 0), _number(by.get(FIRST)) or 0.0
+    # the first steps too, where the rest is past the budget without them (a short run's)
+    first = rest > budget and n_first > 0 and added_first > 0
+    if first:
+        who.append((_steps(n_first, "first steps"), added_first))
+        rest -= added_first
+    if not who:
+        return "", ""
+    took_it = rest <= budget
+    named = " and ".join(f"{name} ({F.pct(share)})" for name, share in who)
+    design = _design(bool(n_events), first)
+    headroom = _number(sampling.get("trigger_headroom"))
+    if n_events and headroom is not None:
+        design += (
+            f", later ones while the overhead stays within {headroom:g}× it ({F.pct(headroom * budget)})"
+        )
+    if took_it:
+        return f"exceeded by design by {named}", f"past the budget by {named}: by design, {design}"
+    return "", f"{named} of it: by design, {design}"
+
+
+def _design(events: bool, first: bool) -> str:
+    if events and first:
+        return "the first steps and the first step after each kind of event are sampled whatever the budget"
+    if first:
+        return "the first steps are sampled whatever the budget"
+    return "the first step after each kind of event is sampled whatever the budget"
 
 
 def writer_wait(capture: Mapping[str, Any]) -> str:
