@@ -24,20 +24,27 @@ Invariants:
 - ``drain()`` returns when everything queued is on disk; ``close()`` also ends the thread, and ``reopen()``
   starts it again (the process stays the run's; ``end()`` gives it back). None touches a device: the rows were
   copied to the host by the Profiler's one sync.
+- An interpreter that exits with a run still streaming (a script's loop ended by an uncaught exception, Ctrl-C
+  or ``sys.exit`` without ``detach()``) first writes what its writers were handed (``_drain_at_exit``, up to
+  ``EXIT_WAIT_S``): the thread is a daemon, which the interpreter's end stopped mid-write, losing the flushes
+  still queued and leaving the part it wrote as a ``.tmp``. Steps not flushed yet (on the device) stay lost,
+  as under a kill.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import queue
+import sys
 import threading
 import time
 import weakref
 from pathlib import Path
 from typing import Any
 
-from precprof import _signals, parts, stream_child
+from precprof import _atomic, _signals, parts, stream_child
 from precprof.capture import writer_process
 from precprof.flush import Flush
 from precprof.stream_child import RESERVE_BYTES
@@ -47,8 +54,14 @@ MAX_QUEUED = 2
 # False: the writer thread writes the parts itself, as where the process cannot start (the tests that fake a
 # failure inside this process set it)
 USE_PROCESS = True
+# seconds an exiting interpreter waits, at most, for the stream's writers to write what they were handed
+EXIT_WAIT_S = 30.0
+# after this long it says why it waits
+EXIT_NOTE_S = 1.0
 
-__all__ = ["MAX_QUEUED", "RESERVE_BYTES", "USE_PROCESS", "StreamWriter"]
+__all__ = ["EXIT_WAIT_S", "MAX_QUEUED", "RESERVE_BYTES", "USE_PROCESS", "StreamWriter"]
+
+_streaming: weakref.WeakSet[StreamWriter] = weakref.WeakSet()  # writers whose thread was started
 
 
 class StreamWriter:
@@ -83,6 +96,8 @@ class StreamWriter:
         self._handed = False  # flushes handed to it since the last ``_sync``
         self._wire = stream_child.Wire()
         self._release: weakref.finalize[Any, Any] | None = None  # gives the process back at collection
+        self._exiting = False  # closed at the interpreter's exit: no wait for the process's merge
+        self._end_queued = False  # (its end queued there)
         self.reopen()
 
     def reopen(self) -> None:
@@ -93,8 +108,10 @@ class StreamWriter:
             if self.writer == "process" and (self._proc is None or not self._proc.alive()):
                 self._give_back()  # (one that ended while the Profiler was detached)
                 self._take_process()
+            self._exiting = self._end_queued = False
             self._thread = threading.Thread(target=self._run, name="precprof-stream", daemon=True)
             self._thread.start()
+            _streaming.add(self)
 
     def put(self, flush: Flush) -> None:
         """Queue one flush for writing; waits while ``max_queued`` flushes wait (bounded memory).
@@ -200,6 +217,22 @@ class StreamWriter:
         self.close()
         self._give_back()
 
+    def close_by(self, deadline: float) -> bool:
+        """``close()`` at the interpreter's exit, waiting until ``deadline`` (``time.monotonic()``) at most:
+        whether the thread wrote everything and ended. It leaves the merge of the parts to the process (which
+        finishes it before it exits) rather than wait for it."""
+        if not self._thread.is_alive():
+            return True
+        if not self._end_queued:
+            self._exiting = True
+            try:
+                self._queue.put(None, timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Full:
+                return False
+            self._end_queued = True
+        self._thread.join(max(0.0, deadline - time.monotonic()))
+        return not self._thread.is_alive()
+
     def _run(self) -> None:
         while True:
             batch = self._take()
@@ -230,7 +263,7 @@ class StreamWriter:
         """Closing: wait for the process's merge of this run's parts (it merges beside the writing), so that
         the run is read, and saved, whole."""
         proc = self._proc
-        if self._handed and proc is not None and self.error is None:
+        if self._handed and proc is not None and self.error is None and not self._exiting:
             self._handed = False
             try:
                 how = proc.hand_over(self._wire, self._channel, -1, self._where, self._compact_every, [], {})
@@ -326,3 +359,47 @@ class StreamWriter:
         release, self._release, self._proc = self._release, None, None
         if release is not None:
             release()
+
+
+# (registered after ``writer_process``'s: run before it, while the process still takes flushes)
+@atexit.register
+def _drain_at_exit() -> None:
+    """Before the interpreter ends: every stream writer still writing writes what it was handed, waiting
+    ``EXIT_WAIT_S`` in all at most (said after ``EXIT_NOTE_S``), and says which run kept less where that was
+    not enough. A Profiler saved or detached before has nothing left here."""
+    started = time.monotonic()
+    deadline = started + EXIT_WAIT_S
+    writers = [w for w in list(_streaming) if w._thread.is_alive()]
+    if not writers:
+        return
+    said = False
+    try:
+        for writer in writers:
+            if not said and not writer.close_by(min(deadline, started + EXIT_NOTE_S)):
+                said = True
+                print(
+                    f"precprof: writing the last recorded steps of {writer.run_dir} before exiting "
+                    f"(up to {EXIT_WAIT_S:g} s; Ctrl-C to leave them out)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            if not writer.close_by(deadline):
+                _left(writer, f"its writer was still writing after {EXIT_WAIT_S:g} s")
+    except KeyboardInterrupt:
+        for writer in writers:
+            if writer._thread.is_alive():
+                _left(writer, "Ctrl-C at exit")
+
+
+def _left(writer: StreamWriter, why: str) -> None:
+    """Say that ``writer``'s run lost the steps it still held at exit, and remove the part it was writing (the
+    interpreter's end stops its thread for good)."""
+    for tmp in Path(writer._where).glob(f".*.{os.getpid()}{_atomic.TMP_SUFFIX}"):
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+    print(
+        f"precprof: the last recorded steps of {writer.run_dir} were not written ({why}); the steps before "
+        "them are in its stream",
+        file=sys.stderr,
+        flush=True,
+    )
