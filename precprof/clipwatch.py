@@ -49,9 +49,10 @@ from torch.nn.utils import clip_grad as _clip_grad_mod
 from precprof import _compat
 
 _lock = threading.Lock()
-_watchers: weakref.WeakSet[ClipNorms] = weakref.WeakSet()
+# (kept by a reload: the wrappers installed read this module's globals, and an empty set had stopped the noting)
+_watchers: weakref.WeakSet[ClipNorms] = globals().get("_watchers") or weakref.WeakSet()
 # whether Dynamo held compiled code when the wrappers went in: a compiled clip recompiles once (stance.explain)
-wrapped_after_compile = False
+wrapped_after_compile: bool = globals().get("wrapped_after_compile", False)
 
 
 class ClipNorms:

@@ -129,3 +129,23 @@ def test_a_recompile_refused_for_a_clip_wrapped_after_it_compiled_names_the_fix(
     finally:
         clipwatch.wrapped_after_compile = late
     assert "import precprof after torch" in exc.__notes__[0]
+
+
+def test_a_reload_of_clipwatch_while_attached_keeps_noting_the_norm() -> None:
+    """``importlib.reload(precprof.clipwatch)`` (a notebook's %autoreload) with a Profiler attached: the wrapper
+    installed reads the module's globals, and the reload had replaced its set of watchers with an empty one, so
+    the steps after it recorded no grad norm (nan)."""
+    import importlib
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    norms = []
+    with precprof.Profiler(model, sample_every=1, memory=False) as prof:
+        for step in range(2):
+            if step == 1:
+                importlib.reload(clipwatch)
+            model(torch.randn(3, 4)).square().sum().backward()
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)))
+            model.zero_grad()
+            prof.step()
+    assert prof.tables()["steps"][T.GRAD_NORM].tolist() == pytest.approx(norms)

@@ -114,6 +114,11 @@ def test_the_overhead_of_a_run_that_sampled_no_step_is_what_prof_step_took() -> 
     few = _run(3, compile_model=False, sample_every=0, memory=False)
     head = dict(_headline({T.SUMMARY_CAPTURE: few.summary()}, few.tables()["steps"], T.empty("layers")))
     assert head["precprof's overhead"] == "not measured (no step sampled; 2 steps timed: 3 needed)"
+    # a run of 2 steps, whose summary has no overhead at all, said nothing
+    two = _run(2, compile_model=False, sample_every=0, memory=False)
+    assert two.summary()["sampling"]["overhead"] is None
+    head = dict(_headline({T.SUMMARY_CAPTURE: two.summary()}, two.tables()["steps"], T.empty("layers")))
+    assert head["precprof's overhead"] == "not measured (no step sampled; 1 step timed: 3 needed)"
 
 
 def test_a_compiled_loss_beside_an_uncompiled_model_says_the_sampled_steps_ran_it_eagerly() -> None:

@@ -353,16 +353,16 @@ def _overhead(summary: Mapping[str, Any], tp: dict[str, Any]) -> str:
     sampling = capture.get("sampling") if isinstance(capture, Mapping) else None
     if not isinstance(sampling, Mapping):
         return ""
+    if isinstance(capture, Mapping) and capture.get("sampled_steps") == 0 and not tp["steps_timed_sampled"]:
+        # nothing sampled (sample_every=0): the overhead is prof.step()'s own time on every step, measured on
+        # the unsampled steps alone; "0 sampled steps timed: 3 needed" withheld a measured 2.42%
+        return _overhead_unsampled(sampling, tp)
     share, budget = sampling.get("overhead"), sampling.get("budget")
     if not isinstance(share, (int, float)) or not math.isfinite(share) or share < 0:
         return ""
     text = f"{F.pct(float(share))} of the run's time"
     said = []
     withheld = environment.overhead_withheld(tp)
-    if isinstance(capture, Mapping) and capture.get("sampled_steps") == 0 and not tp["steps_timed_sampled"]:
-        # nothing sampled (sample_every=0): the overhead is prof.step()'s own time on every step, measured on
-        # the unsampled steps alone; "0 sampled steps timed: 3 needed" withheld a measured 2.42%
-        return _overhead_unsampled(sampling, tp)
     if withheld:
         text = "not measured"
         said.append(withheld)
@@ -385,12 +385,13 @@ def _overhead_unsampled(sampling: Mapping[str, Any], tp: Mapping[str, Any]) -> s
     """precprof's overhead in a run that sampled no step: what ``prof.step()`` took on every step (the
     sampler's ``overhead_every_step``), "not measured" from fewer than ``MIN_STEPS`` unsampled steps timed, and
     "" where the summary predates the figure."""
+    n_u = int(tp["steps_timed_unsampled"])
+    if n_u < MIN_STEPS:  # (a run of 1 or 2 steps, whose summary has no overhead at all, too)
+        timed = f"{F.count(n_u)} step{'' if n_u == 1 else 's'} timed"
+        return f"not measured (no step sampled; {timed}: {MIN_STEPS} needed)"
     every = sampling.get("overhead_every_step")
     if not isinstance(every, (int, float)) or not math.isfinite(every) or every < 0:
         return ""
-    n_u = int(tp["steps_timed_unsampled"])
-    if n_u < MIN_STEPS:
-        return f"not measured (no step sampled; {F.count(n_u)} steps timed: {MIN_STEPS} needed)"
     return f"{F.pct(float(every))} of the run's time (no step sampled; prof.step() on every step {F.pct(float(every))})"
 
 
