@@ -189,3 +189,19 @@ def test_the_loss_scale_names_no_weight_gradient_of_a_module_without_weights() -
     assert f is not None and f.numbers["autocast_fp32_left_out"] == 3
     assert "leaving out the weight gradients of 0, 2, which autocast computed in fp32" in f.message
     assert "and the output gradients of 0, 1, which no matmul run in fp16 reads" in f.message
+
+
+def test_the_loss_scale_names_the_parameter_whose_gradient_is_the_largest() -> None:
+    """A Linear fed inputs of 1e-3: its bias gradient (a sum of the output gradients) is 1,000x its weight
+    gradient, and the largest gradient. fp16_loss_scale named it "0's weight gradient" (any weight_grad row
+    was a weight's); it names the bias."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 8))
+    g = torch.Generator().manual_seed(0)
+    rec, prof, _ = _fp16_run(model, [torch.randn(32, 16, generator=g) * 1e-3 for _ in range(2)])
+    grads = prof.tables()["layers"]
+    grads = grads[grads[T.TENSOR].isin(T.GRADIENT_KINDS)]
+    top = grads.loc[grads[T.ABSMAX].astype(float).idxmax()]
+    assert top[T.TENSOR] == T.WEIGHT_GRAD and top[T.PARAM] == "bias"
+    f = rec.finding("fp16_loss_scale")
+    assert f is not None and f"(0's bias gradient, step {int(top[T.STEP])})" in f.message

@@ -764,15 +764,23 @@ def _own32_said(run: _Run, own32: KeptGradients, after: bool) -> str:
 
 
 def _whose(run: _Run, gmax: float) -> str:
-    """Whose gradient the largest finite one ``gmax`` is among ``run``'s gradient rows, in words
-    (" (blocks.0.v's weight gradient)"; "" where no row holds it)."""
+    """Whose gradient the largest finite one ``gmax`` is among ``run``'s gradient rows, in words, by the parameter
+    of a weight_grad row (" (blocks.0.v's weight gradient)", " (blocks.0.v's bias gradient)", " (attn.in_proj_weight's
+    gradient)": a bias row read "weight gradient"); "" where no row holds it."""
     g = run.kind(*T.GRADIENT_KINDS)
     at = g[pd.to_numeric(g[T.ABSMAX], errors="coerce") == gmax]
     if at.empty:
         return ""
     row = at.iloc[0]
-    kind = "weight gradient" if row[T.TENSOR] == T.WEIGHT_GRAD else "output gradient"
-    return f" ({_name(str(row[T.MODULE]))}'s {kind}, step {int(row[T.STEP])})"
+    name, param = _name(str(row[T.MODULE])), row.get(T.PARAM)
+    param = param if isinstance(param, str) else ""
+    if row[T.TENSOR] != T.WEIGHT_GRAD:
+        whose = f"{name}'s output gradient"
+    elif param in ("", "weight", "bias"):
+        whose = f"{name}'s {param or 'weight'} gradient"
+    else:  # a parameter of another name (MultiheadAttention's in_proj_weight)
+        whose = f"{name}.{param}'s gradient"
+    return f" ({whose}, step {int(row[T.STEP])})"
 
 
 def _no_scale_where_ruled_out(run: _Run, plan: _Plan) -> None:
