@@ -19,6 +19,7 @@ signal (``precprof._signals.deferred``).
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import warnings
 from collections.abc import Mapping
@@ -30,6 +31,8 @@ import pandas as pd
 from precprof import _atomic, _run_finisher, _saving, _signals, hardware, rundir
 from precprof import tables as T
 from precprof.analysis import advisor, memory_projection, update_ratio
+from precprof.analysis.final import final_block
+from precprof.analysis.throughput import compiled_steps
 from precprof.errors import RunNotSavedWarning, UserError
 from precprof.report.render import render_html, render_run_dir
 
@@ -97,6 +100,14 @@ def finish_run(
     full[T.SUMMARY_TRAINING_FINISHED] = full[T.SUMMARY_STATUS] == T.STATUS_COMPLETE
     if T.SUMMARY_HARDWARE not in full:
         full.update(describe_machine((full.get(T.SUMMARY_CAPTURE) or {}).get("device")))
+    # what precprof train records and a Profiler in the user's own loop did not (a notebook had no torch version
+    # and no final loss, and the report no Software rows): the versions of this process, and the final figures
+    # as the report's header reads them off the steps table (no wall-clock time: the loop around them is the
+    # user's)
+    if T.SUMMARY_VERSIONS not in full:
+        full[T.SUMMARY_VERSIONS] = hardware.software_versions()
+    if T.SUMMARY_FINAL not in full:
+        full[T.SUMMARY_FINAL] = final_block(tables["steps"], math.nan, compiled_steps(full))
     saving = _saving.Saving(run_dir)
     with _signals.deferred():
         full.update(post_process(tables, full, facts))

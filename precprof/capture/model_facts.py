@@ -359,6 +359,41 @@ def model_class_name(model: nn.Module) -> str:
     return cls.__name__
 
 
+# a Hugging Face config's dimensions that the ``model`` block of summary.json records
+_MODEL_DIM_KEYS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_hidden_layers",
+    "n_embd",
+    "n_inner",
+    "n_head",
+    "n_layer",
+    "vocab_size",
+)
+
+
+def model_info(model: nn.Module, name: str | None = None) -> dict[str, Any]:
+    """The ``model`` block of summary.json of a model precprof did not build (the callbacks', a Profiler's in
+    the user's own loop): name, kind ("hf" with a Hugging Face config, else "user"), class, parameter count
+    (every rank's) and, from a Hugging Face config, its dimensions."""
+    config = getattr(model, "config", None)
+    dims: dict[str, int] = {}
+    if config is not None:
+        for k in _MODEL_DIM_KEYS:
+            v = getattr(config, k, None)
+            if isinstance(v, int) and not isinstance(v, bool):
+                dims[k] = v
+    cls = type(model)
+    return {
+        "name": name or getattr(config, "name_or_path", None) or model_class_name(model),
+        "kind": "hf" if config is not None else "user",
+        "class": f"{cls.__module__}.{cls.__qualname__}",
+        "n_params": sum(_compat.global_numel(p) for p in model.parameters()),
+        **dims,
+    }
+
+
 def dropout_layers(model: nn.Module) -> int:
     """Dropout modules that drop something (p > 0): a compiled run's sampled steps, run eagerly, draw other
     random numbers than inductor's kernels do."""

@@ -30,6 +30,7 @@ from precprof.capture.model_facts import (
     low_precision_buffers,
     low_precision_linear,
     model_class_name,
+    model_info,
     modules_without_forward,
     optimizer_settings,
     resumed_optimizer_changes,
@@ -415,8 +416,8 @@ class ProfilerResults:
     def run_summary(
         self, summary: dict[str, Any] | None = None, status: str | None = None, reason: str | None = None
     ) -> dict[str, Any]:
-        """``summary`` completed with what the recorder knows: version, status and cause, the ``capture``
-        block (and the distributed description)."""
+        """``summary`` completed with what the recorder knows: version, status and cause, the ``model`` block
+        (where ``summary`` has none), the ``capture`` block (and the distributed description)."""
         if status is not None:
             self._status = status
         if reason is not None:
@@ -425,6 +426,7 @@ class ProfilerResults:
         full[T.SUMMARY_VERSION] = __version__
         full[T.SUMMARY_STATUS] = self._status
         full[T.SUMMARY_INCOMPLETE_REASON] = self._reason
+        full.setdefault(T.SUMMARY_MODEL, model_info(_compat.unwrapped(self.model)))
         given = dict(full.get(T.SUMMARY_CAPTURE) or {})
         # what the recorder knows, and what the caller knows where it does not (a Trainer's torch_compile)
         capture = {**given, **{k: v for k, v in self.summary().items() if v is not None or k not in given}}

@@ -11,21 +11,20 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import math
 import time
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, cast
 
-import pandas as pd
 import torch
 from torch import nn
 
 from precprof import tables as T
 from precprof import taxonomy
-from precprof.analysis.throughput import throughput
+from precprof.analysis.final import final_block
 from precprof.capture import Profiler
+from precprof.capture.model_facts import model_info as model_info  # (its home before)
 from precprof.capture.reducer import RankReducer, is_distributed
 from precprof.hardware import software_versions
 
@@ -41,60 +40,6 @@ LIGHTNING_PRECISIONS: dict[str, str] = {
     "transformer-engine": "fp8",
     "transformer-engine-float16": "fp8",
 }
-
-_MODEL_DIM_KEYS = (
-    "hidden_size",
-    "intermediate_size",
-    "num_attention_heads",
-    "num_hidden_layers",
-    "n_embd",
-    "n_inner",
-    "n_head",
-    "n_layer",
-    "vocab_size",
-)
-
-
-def model_info(model: nn.Module, name: str | None = None) -> dict[str, Any]:
-    """The ``model`` block of summary.json: name, class, parameter count and, from a Hugging Face config, dims."""
-    config = getattr(model, "config", None)
-    dims: dict[str, int] = {}
-    if config is not None:
-        for k in _MODEL_DIM_KEYS:
-            v = getattr(config, k, None)
-            if isinstance(v, int) and not isinstance(v, bool):
-                dims[k] = v
-    cls = type(model)
-    return {
-        "name": name or getattr(config, "name_or_path", None) or cls.__name__,
-        "kind": "hf" if config is not None else "user",
-        "class": f"{cls.__module__}.{cls.__qualname__}",
-        "n_params": sum(p.numel() for p in model.parameters()),
-        **dims,
-    }
-
-
-def final_block(steps: pd.DataFrame, wall_s: float, compiled: list[int]) -> dict[str, Any]:
-    """The ``final`` block of summary.json from the steps table (the keys precprof.training writes);
-    ``compiled``: the steps in which torch.compile compiled (``Profiler.compiled_steps``)."""
-    steps = T.finished_steps(steps)  # a step a crash cut off has no loss
-    losses = steps[T.LOSS].astype(float) if not steps.empty else pd.Series(dtype=float)
-    finite = losses.dropna()
-    times = steps[T.TIME_S].astype(float).dropna() if not steps.empty else pd.Series(dtype=float)
-    tokens = steps[T.TOKENS].astype(float).dropna() if not steps.empty else pd.Series(dtype=float)
-    total_tokens = float(tokens.sum()) if len(tokens) else math.nan
-    return {
-        "final_loss": float(finite.iloc[-1]) if len(finite) else math.nan,
-        "final_loss_avg10": float(finite.iloc[-10:].mean()) if len(finite) else math.nan,
-        "steps_done": len(steps),
-        "skipped_steps": int(steps[T.SKIPPED].astype(bool).sum()) if not steps.empty else 0,
-        **throughput(steps, compiled),  # the steps precprof left alone; the wall-clock rate beside it
-        "tokens_per_s_wall": total_tokens / wall_s
-        if wall_s > 0 and math.isfinite(total_tokens)
-        else math.nan,
-        "wall_s": wall_s,
-        "step_time_median_s": float(times.median()) if len(times) else math.nan,
-    }
 
 
 class Session:

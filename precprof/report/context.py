@@ -19,6 +19,7 @@ from precprof import __version__, formats
 from precprof import tables as T
 from precprof.analysis import current_scaling
 from precprof.analysis import snippets as snippet_code
+from precprof.analysis.final import final_loss
 from precprof.analysis.throughput import MIN_STEPS, compiled_steps, throughput, within_noise
 from precprof.report import blocks, environment, plots, timeline
 from precprof.report import filters as F
@@ -261,20 +262,14 @@ def _headline(summary: Mapping[str, Any], steps: pd.DataFrame, layers: pd.DataFr
         out.append(("sampled steps", F.count(len(sampled)) + (f" ({F.count(cut)} cut off)" if cut else "")))
     if not steps.empty:
         out.append(("skipped steps", _skipped_said(summary, steps)))
-        loss = pd.to_numeric(steps[T.LOSS], errors="coerce").dropna()
         tail = T.nonfinite_loss_tail(steps)
-        given = T.given_losses(T.finished_steps(steps)) if T.NO_LOSS in steps else None
-        last = (
-            pd.to_numeric(given[T.LOSS], errors="coerce").iloc[-1]
-            if given is not None and len(given)
-            else None
-        )
+        last = final_loss(steps)  # summary.json's final.final_loss (analysis.final)
         if tail is not None:  # diverged: the last finite loss is not the final one
             out.append(("final loss", f"{tail.kind} from step {tail.first}"))
         elif last is not None and not math.isfinite(last):  # never finite: the last loss given, nan or inf
             out.append(("final loss", "inf" if math.isinf(last) else "nan"))
-        elif len(loss):
-            out.append(("final loss", F.num(loss.iloc[-1], 4)))
+        elif last is not None:
+            out.append(("final loss", F.num(last, 4)))
     # throughput of the steps precprof left alone, first step out (analysis.throughput), and what a profiled
     # step cost beside it; a wall-clock rate would count sampled steps and warm-up; the steps torch.compile
     # compiled in are left out, and said to be

@@ -1,0 +1,77 @@
+"""summary.json of a Profiler in the user's own loop: the ``versions``, ``final`` and ``model`` blocks the README
+lists, which only ``precprof train`` wrote (a notebook had no torch version and no final loss, and the report
+no Software rows); and the report of such a run killed before it saved, which named no precision."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import precprof
+from precprof import hardware
+from precprof import tables as T
+from precprof.analysis.throughput import compiled_steps, throughput
+from precprof.report import context, environment
+from precprof.report import filters as F
+
+
+def _run(out: Path, steps: int = 3) -> tuple[precprof.Profiler, nn.Module, list[float]]:
+    """A tiny bf16-autocast loop of ``steps`` steps, every one sampled, 64 tokens each, streamed into ``out``
+    (detached, not saved); the Profiler, the model and the losses passed."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(32, 16), nn.Linear(16, 32))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(0)
+    losses = []
+    with precprof.Profiler(model, opt, sample_every=1, memory=False, out=out) as prof:
+        for _ in range(steps):
+            x = torch.randint(0, 32, (4, 16), generator=g)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                logits = model(x)
+            loss = nn.functional.cross_entropy(logits.float().reshape(-1, 32), x.reshape(-1))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            prof.step(loss=loss.detach(), tokens=64)
+            losses.append(float(loss.detach()))
+    return prof, model, losses
+
+
+def test_a_profiler_runs_summary_has_versions_final_figures_and_model(tmp_path: Path) -> None:
+    """Written by the Profiler's save: the versions precprof train records, the final figures as the report's
+    header reads them (no wall-clock time: the loop is the user's), the model's class and size; the report's
+    Software rows come back. A run directory written before (none of the three) still renders."""
+    out = tmp_path / "run"
+    prof, model, losses = _run(out)
+    prof.save()
+    summary = T.read_summary(out)
+    assert summary[T.SUMMARY_VERSIONS] == json.loads(json.dumps(hardware.software_versions()))
+    final = summary[T.SUMMARY_FINAL]
+    tables = T.read_tables(out)
+    steps, layers = tables["steps"], tables["layers"]
+    tp = throughput(steps, compiled_steps(summary))
+    assert final["final_loss"] == losses[-1] and final["steps_done"] == 3 and final["skipped_steps"] == 0
+    assert final["tokens_per_s"] == tp["tokens_per_s"] > 0 and final["wall_s"] is None
+    header = dict(context._headline(summary, steps, layers))
+    assert header["final loss"] == F.num(final["final_loss"], 4)
+    assert header[f"tokens/s (all steps, median of {tp['tokens_per_s_steps']})"] == F.num(
+        final["tokens_per_s"]
+    )
+    assert summary[T.SUMMARY_MODEL] == {
+        "name": "Sequential",
+        "kind": "user",
+        "class": "torch.nn.modules.container.Sequential",
+        "n_params": sum(p.numel() for p in model.parameters()),
+    }
+    groups = dict(environment.environment(summary)["groups"])
+    assert ("PyTorch", torch.__version__) in groups["Software"]
+    # a run saved before these blocks were written (a killed run's first summary has none either: its report
+    # renders, below): no Software rows, no figures made up
+    old = {
+        k: v for k, v in summary.items() if k not in (T.SUMMARY_VERSIONS, T.SUMMARY_FINAL, T.SUMMARY_MODEL)
+    }
+    assert "Software" not in dict(environment.environment(old)["groups"])
+    assert dict(context._headline(old, steps, layers)) == header
