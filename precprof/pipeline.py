@@ -28,7 +28,7 @@ from typing import Any
 
 import pandas as pd
 
-from precprof import _atomic, _run_finisher, _saving, _signals, hardware, rundir
+from precprof import _atomic, _run_finisher, _saving, _signals, hardware, rundir, taxonomy
 from precprof import tables as T
 from precprof.analysis import advisor, memory_projection, update_ratio
 from precprof.analysis.final import final_block
@@ -245,6 +245,8 @@ def rerender(
     read = T.read_run(rd, categorical=True, histogram_totals=not advise) if T.is_run_dir(rd) else None
     live_line = None
     if read is not None:
+        # a run killed before it saved: its first summary, written before any forward pass, names no precision
+        summary = taxonomy.with_precision_seen(summary, read.tables["layers"])
         for note in (rundir.newer_version_note(rd, summary), older):
             if note:
                 read.notices.append(note)
@@ -264,7 +266,9 @@ def rerender(
         except Exception as e:  # the evidence still renders; the page says why there is no verdict
             advisor_error = f"{type(e).__name__}: {e}"
     if not live:
-        return render_run_dir(rd, out=out, recommendation=rec, advisor_error=advisor_error, read=read)
+        return render_run_dir(
+            rd, out=out, recommendation=rec, advisor_error=advisor_error, read=read, summary=summary
+        )
     final = Path(out) if out is not None else rd / T.REPORT_FILE
     before = _written_at(final)
     page = render_run_dir(
@@ -274,7 +278,7 @@ def rerender(
         advisor_error=advisor_error,
         read=read,
         live=live_line,
-        summary=summary if recording is not None else None,
+        summary=summary,
     )
     if _written_at(final) != before:  # the run ended and wrote its own report meanwhile: that one stays
         with contextlib.suppress(OSError):

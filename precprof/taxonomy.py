@@ -425,3 +425,59 @@ def summary_requested(summary: Mapping[str, Any], default: str = "") -> str:
     capture = summary.get(T.SUMMARY_CAPTURE) or {}
     req = capture.get("mixed_precision_requested") if isinstance(capture, Mapping) else None
     return req.lower() if isinstance(req, str) and req else default
+
+
+_LOW_MODES = {"bfloat16": "bf16", "float16": "fp16"}
+PRECISION_FROM_LAYERS = "layers"  # capture.precision_from of a precision read off the layers' dtypes
+
+
+def precision_in_layers(layers: pd.DataFrame) -> str:
+    """The precision mode a layers table's dtypes show, named as ``Profiler.precision_seen`` names the one its
+    hooks saw: a pure mode ("bf16-pure") where most parameter elements (the weight rows, each parameter once)
+    are 16-bit, autocast's ("bf16", "fp16") where a module with parameters produced 16-bit activations, else
+    "fp32"; "" where the table cannot tell: no rows, or torchao's FP8 or block-format layers (their modes are no
+    dtype)."""
+    if layers.empty or not {T.TENSOR, T.DTYPE, T.MODULE}.issubset(layers.columns):
+        return ""
+    if (
+        T.MODULE_TYPE in layers
+        and texts(layers[T.MODULE_TYPE]).isin(FP8_MODULE_TYPES | BLOCK_MODULE_TYPES).any()
+    ):
+        return ""
+    kinds, dtypes = texts(layers[T.TENSOR]), texts(layers[T.DTYPE])
+    weights = layers[(kinds == T.WEIGHT).to_numpy()]
+    if T.PARAM in weights:
+        weights = weights.drop_duplicates([T.MODULE, T.PARAM])
+    sizes = pd.to_numeric(weights[T.NUMEL], errors="coerce").groupby(texts(weights[T.DTYPE])).sum()
+    main = str(sizes.idxmax()) if len(sizes) and sizes.max() > 0 else ""
+    if main in _LOW_MODES:
+        return f"{_LOW_MODES[main]}-pure"
+    acts = dtypes[((kinds == T.ACTIVATION) & layers[T.MODULE].isin(set(weights[T.MODULE]))).to_numpy()]
+    low = acts[acts.isin(_LOW_MODES)]
+    if len(low):
+        return _LOW_MODES[str(low.value_counts().idxmax())]
+    return "fp32" if len(acts) or len(weights) else ""
+
+
+def with_precision_seen(summary: Mapping[str, Any], layers: pd.DataFrame) -> dict[str, Any]:
+    """``summary`` with the precision its layers' dtypes show (``precision_in_layers``) as ``capture``'s
+    ``precision_seen`` where its capture block has none: a run killed before it saved, whose first summary was
+    written before any forward pass (its report named no precision); ``capture.precision_from`` is then
+    ``PRECISION_FROM_LAYERS``. "fp32" is "tf32" where the run's machine had TF32 matmuls on, as
+    ``precision_seen`` says on a GPU."""
+    capture = summary.get(T.SUMMARY_CAPTURE)
+    capture = capture if isinstance(capture, Mapping) else {}
+    if "precision_seen" in capture or not (seen := precision_in_layers(layers)):
+        return dict(summary)
+    hw = summary.get(T.SUMMARY_HARDWARE)
+    if (
+        seen == "fp32"
+        and isinstance(hw, Mapping)
+        and hw.get("device") == "cuda"
+        and hw.get("tf32_matmul_enabled")
+    ):
+        seen = "tf32"
+    return {
+        **summary,
+        T.SUMMARY_CAPTURE: {**capture, "precision_seen": seen, "precision_from": PRECISION_FROM_LAYERS},
+    }

@@ -461,7 +461,7 @@ def test_a_killed_runs_fp8_eligibility_is_not_judged(tmp_path: Path) -> None:
 
 def test_a_killed_runs_report_names_the_model_it_trained(tmp_path: Path) -> None:
     """A run killed before it saved read "Precision report · model · run": the model's class was only in the
-    summary written at the end. The first summary names it; a precision the run never said is left out."""
+    summary written at the end. The first summary names it, and its layers the precision they ran in."""
     out = tmp_path / "killed"
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -473,7 +473,8 @@ def test_a_killed_runs_report_names_the_model_it_trained(tmp_path: Path) -> None
             prof.step()
     prof._owned_run.release()  # as a killed job leaves it: its stream and first summary
     html = pipeline.rerender(out).read_text()
-    assert "<h1>Precision report · Sequential</h1>" in html, re.findall(r"<h1>.*?</h1>", html)
+    # and the precision its layers ran in, which it never said (read from their dtypes: float32)
+    assert "<h1>Precision report · Sequential · fp32</h1>" in html, re.findall(r"<h1>.*?</h1>", html)
 
 
 def test_precprof_report_on_a_run_still_being_written(

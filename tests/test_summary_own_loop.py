@@ -5,17 +5,20 @@ no Software rows); and the report of such a run killed before it saved, which na
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
 import precprof
-from precprof import hardware
+from precprof import hardware, pipeline, taxonomy
 from precprof import tables as T
 from precprof.analysis.throughput import compiled_steps, throughput
 from precprof.report import context, environment
 from precprof.report import filters as F
+from precprof.report import summarize as S
 
 
 def _run(out: Path, steps: int = 3) -> tuple[precprof.Profiler, nn.Module, list[float]]:
@@ -75,3 +78,35 @@ def test_a_profiler_runs_summary_has_versions_final_figures_and_model(tmp_path: 
     }
     assert "Software" not in dict(environment.environment(old)["groups"])
     assert dict(context._headline(old, steps, layers)) == header
+
+
+def test_a_killed_own_loop_runs_report_names_the_precision_its_layers_ran_in(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run killed before it saved has only the summary written at its start, before any forward pass: no
+    precision_seen, and its report read "Precision report · Sequential" with no precision row, where every layer
+    says bfloat16. It names the precision its layers' dtypes show, and says where it read it."""
+    out = tmp_path / "killed"
+    prof, _, _ = _run(out, steps=2)
+    prof._owned_run.release()  # as a killed job leaves it: its stream and first summary
+    first = T.read_summary(out)
+    assert "precision_seen" not in (first.get(T.SUMMARY_CAPTURE) or {})
+    monkeypatch.setattr(context, "_heatmaps", lambda *a, **k: [])  # 2 s of matplotlib, no part of this
+    html = pipeline.rerender(out).read_text()
+    assert "<h1>Precision report · Sequential · bf16</h1>" in html, re.findall(r"<h1>.*?</h1>", html)
+    assert "bf16 (read from the layers&#39; dtypes)" in html
+    layers = T.read_run(out).tables["layers"]
+    filled = taxonomy.with_precision_seen(first, layers)
+    seen = filled[T.SUMMARY_CAPTURE]
+    assert seen["precision_seen"] == "bf16" and seen["precision_from"] == taxonomy.PRECISION_FROM_LAYERS
+    # a run that said its precision (precprof train's configuration) is not said to have it from the dtypes
+    assert S.precision_from_layers(filled) and not S.precision_from_layers(
+        {**filled, T.SUMMARY_CONFIG: {"precision": "bf16"}}
+    )
+    # the modes precision_seen names: pure where the parameters are 16-bit, fp32 where nothing is
+    pure = layers.assign(**{T.DTYPE: layers[T.DTYPE].astype(str).replace("float32", "bfloat16")})
+    assert taxonomy.precision_in_layers(pure) == "bf16-pure"
+    plain = layers.assign(**{T.DTYPE: "float32"})
+    assert (
+        taxonomy.precision_in_layers(plain) == "fp32" and taxonomy.precision_in_layers(layers.iloc[:0]) == ""
+    )

@@ -248,6 +248,8 @@ def _headline(summary: Mapping[str, Any], steps: pd.DataFrame, layers: pd.DataFr
     final = summary.get(T.SUMMARY_FINAL) or {}
     out: list[tuple[str, str]] = []
     prec = S.requested_precision(summary)
+    if prec and S.precision_from_layers(summary):
+        prec += " (read from the layers' dtypes)"
     if prec:
         out.append(("precision", prec))
     # finished steps: a cut-off step's row (a crash or signal mid-step) is no step done (final.steps_done)

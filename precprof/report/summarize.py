@@ -470,6 +470,16 @@ def requested_precision(summary: Mapping[str, Any]) -> str:
     return _asked_precision(summary) or (str(seen) if seen else "")
 
 
+def precision_from_layers(summary: Mapping[str, Any]) -> bool:
+    """Whether ``requested_precision`` is the one the layers' dtypes show (``taxonomy.with_precision_seen``: a run
+    killed before it saved, whose first summary names none), not one the run said."""
+    capture = summary.get(T.SUMMARY_CAPTURE) or {}
+    from_layers = (
+        isinstance(capture, Mapping) and capture.get("precision_from") == taxonomy.PRECISION_FROM_LAYERS
+    )
+    return from_layers and not _asked_precision(summary)
+
+
 def asked_as(summary: Mapping[str, Any]) -> str:
     """How the run's framework asked for its precision, where its words are not precprof's: Lightning's
     ``precision="bf16-true"`` (precprof's bf16-pure), the HF Trainer's ``bf16=True``; "" otherwise."""

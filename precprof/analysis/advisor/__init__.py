@@ -30,6 +30,7 @@ import pandas as pd
 
 from precprof import hardware as hw_mod
 from precprof import tables as T
+from precprof import taxonomy
 from precprof.analysis.advisor.config import AdvisorConfig
 from precprof.analysis.advisor.decide import _decide
 from precprof.analysis.advisor.evidence import _layer_dims, _matmul_leaves, _num, _Plan, _prepare, _Run
@@ -83,8 +84,10 @@ def _load(
         path = Path(source)
         if not path.is_dir():
             raise FileNotFoundError(f"run directory {str(path)!r} does not exist")
-        return T.read_run(path, categorical=True).tables, dict(
-            summary if summary is not None else T.read_summary(path)
+        tables = T.read_run(path, categorical=True).tables
+        # a run killed before it saved names no precision in its first summary: its layers' dtypes do
+        return tables, taxonomy.with_precision_seen(
+            summary if summary is not None else T.read_summary(path), tables["layers"]
         )
     if isinstance(source, Mapping):
         return source, dict(summary or {})
