@@ -207,7 +207,9 @@ class TrainingForward:
         elif why == _NO_GRAD and True in self._root_calls:  # inside a call of the model with grad on
             self.self_call_forwards += 1
         if slot.order < 0:
-            if slot.input >= 0 and slot.input_order < 0:
+            # its input row's place, before it: not where a reentrant first pass found the module that made its
+            # input, whose row the recomputation reads (a place no row takes shifted every later module's order)
+            if slot.input >= 0 and slot.input_order < 0 and (why != _FIRST_PASS or slot.first_from < 0):
                 slot.input_order = self.order
                 self.order += 1
             slot.order = self.order
