@@ -180,7 +180,7 @@ def test_torch_compile_model_documented_behaviour() -> None:
     # weight gradients come from parameter hooks, which compiled graphs honour
     layers = t["layers"]
     for kind, modules in (
-        (T.ACTIVATION, {"0", "1", "2"}),
+        (T.ACTIVATION, {"0:input", "0", "1", "2"}),  # (0:input: the model's input, which 0 reads)
         (T.ACTIVATION_GRAD, {"0", "1", "2"}),
         (T.WEIGHT, {"0", "2"}),
         (T.WEIGHT_GRAD, {"0", "2"}),

@@ -35,7 +35,6 @@ from torch import nn
 import precprof
 from precprof import stats as st
 from precprof import tables as T
-from precprof.capture.plan import block_formats_from_env
 from precprof.capture.reducer import RankReducer, _row_layout, wrapper_info
 
 HERE = Path(__file__).parent
@@ -201,10 +200,10 @@ def _reference(scenario: str) -> dict[str, Any]:
     for m in replicas:
         for name, mod in m.named_children():
             mod.register_forward_hook(catch(name))
-        if block_formats_from_env():  # the first linear layer reads the model's input: a row of its own
-            m[0].register_forward_pre_hook(
-                lambda mod, args: seen[(T.input_module("0"), T.ACTIVATION)].append(args[0].detach().clone())
-            )
+        # the first linear layer reads the model's input: a row of its own
+        m[0].register_forward_pre_hook(
+            lambda mod, args: seen[(T.input_module("0"), T.ACTIVATION)].append(args[0].detach().clone())
+        )
     expected: dict[Key, dict[str, Any]] = {}
     losses: list[float] = []
     names = [n for n, _ in master.named_parameters()]
@@ -554,17 +553,15 @@ def test_row_layout_matches_the_profiler() -> None:
     model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 10))
     model[3].weight = model[0].weight  # tied: recorded under the first owner only
     model[1].bias.requires_grad_(False)
-    for blocks in (False, True):  # with block formats, each linear layer also has a row for its input
+    for blocks in (False, True):  # each linear layer also has a row for its input, block formats on or off
         prof = precprof.Profiler(model, sample_every=1, memory=False, reducer=None, block_formats=blocks)
         with prof:
-            # the names the Profiler hands the reducer: its modules', then its linear layers' inputs'
+            # the names the Profiler hands the reducer: its modules', then its matmul layers' inputs'
             order = [s.name for s in prof._modules]
             order += [T.input_module(s.name) for s in prof._modules if s.input >= 0]
             rows = [(r.module, r.tensor, r.param) for r in prof._rows]
         assert _row_layout(model, order) == rows
-        assert sum(t == T.ACTIVATION and m.endswith(T.INPUT_SUFFIX) for m, t, _ in rows) == (
-            2 if blocks else 0
-        )
+        assert sum(t == T.ACTIVATION and m.endswith(T.INPUT_SUFFIX) for m, t, _ in rows) == 2
 
 
 def test_wrapper_info_without_a_wrapper() -> None:

@@ -95,13 +95,32 @@ def test_a_layer_kept_in_fp32_that_fp16_still_needs_there_stays_in_the_keep_list
 
 
 def test_a_linear_whose_input_was_not_recorded_is_not_said_to_overflow_inside() -> None:
-    """The same run with block formats off records no row for fc1's input: which of its input or its sums went
-    beyond 65504 the run cannot tell, and an exp, a log or a division a Linear does not have."""
+    """The same run with block formats off records fc1's input row too (the model's input, which the cast made
+    inf), and says so. A run recorded before, with no row for fc1's input (its rows and its capture.gemm_inputs
+    entry taken out here): which of its input or its sums went beyond 65504 the run cannot tell, and an exp, a log
+    or a division a Linear does not have."""
     run, seen = raw_features.run("fp16", loss_scale=2.0**16)
-    layers = run.tables["layers"]
-    assert not layers[T.MODULE].str.endswith(T.INPUT_SUFFIX).any()
     inf = sum(int(torch.isinf(y).sum()) for y in seen)
-    f = run.recommend("t4").finding("fp16_activation_overflow")
+    now = run.recommend("t4").finding("fp16_activation_overflow")
+    assert (
+        now is not None
+        and f"fc1: {inf:,} inf in fp16 from its input, which overflowed fp16 (fc1:input)" in (now.message)
+    )
+    layers = run.tables["layers"]
+    capture = run.summary[T.SUMMARY_CAPTURE]
+    older = ProfiledRun(
+        {**run.tables, "layers": layers[~layers[T.MODULE].str.endswith(T.INPUT_SUFFIX)]},
+        {
+            **run.summary,
+            T.SUMMARY_CAPTURE: {
+                **capture,
+                "gemm_inputs": {m: r for m, r in capture["gemm_inputs"].items() if r},
+                "model_inputs": [],
+            },
+        },
+        run.losses,
+    )
+    f = older.recommend("t4").finding("fp16_activation_overflow")
     assert f is not None and "inside" not in f.message and "log_softmax" not in f.remedy
     assert f.title == "Activations overflow fp16 in 1 module(s)"
     assert f"fc1: {inf:,} inf in fp16 though its largest finite value is " in f.message

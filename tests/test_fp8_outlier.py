@@ -494,12 +494,24 @@ def test_a_layer_whose_inputs_maker_ran_again_after_it_reads_its_own_input() -> 
 
 
 def test_without_its_own_input_row_such_a_layer_is_said_judged_without_its_input() -> None:
-    """With the block-format what-if off (no row of a layer's own input), T5's k is judged on its weight and
-    output gradient, and the finding says why: not 'made by no module precprof watches', nor pooled."""
+    """With the block-format what-if off, T5's k reads its own input row too, as with it on. A run recorded
+    before, with it off, had no row of a layer's own input (k's taken out of the tables here): k is judged on
+    its weight and output gradient, and the finding says why: not 'made by no module precprof watches', nor
+    pooled."""
     torch.manual_seed(1)
     prof, _ = profiled_inputs(SharedDropout(activation(3e4)), "k", steps=2)
     assert prof.summary()["gemm_inputs"] == {"k": []}
-    f = precprof.recommend(prof, hardware="h100").finding("fp8_eligibility")
+    assert list(own_input_rows(prof, "k").index) == [0, 1]
+    assert (
+        "was not recorded" not in precprof.recommend(prof, hardware="h100").finding("fp8_eligibility").message
+    )
+    older = {
+        name: t[t[T.MODULE] != T.input_module("k")] if T.MODULE in t else t
+        for name, t in prof.tables().items()
+    }
+    f = precprof.recommend(older, hardware="h100", summary={T.SUMMARY_CAPTURE: prof.summary()}).finding(
+        "fp8_eligibility"
+    )
     assert f is not None and f.modules == ["k"] and f.numbers["max_pushed_pooled"] is None
     assert (
         "The input of 1 layer(s) was not recorded (k: a module's output changed in place after the module "

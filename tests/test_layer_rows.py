@@ -75,4 +75,4 @@ def test_a_tied_head_and_a_frozen_layer_say_so_in_their_rows() -> None:
     assert (head[3], head[6], head[-1]) == ("tied to emb", "tied to emb", "tied to emb"), head
     assert (frozen[3], frozen[6], frozen[-1]) == ("float32", "frozen", "frozen"), frozen
     assert mix[6] == "float32 bias frozen" and mix[-1].endswith("%"), mix
-    assert "Of its 4 rows, 1 is not a layer but" in " ".join(page.split())
+    assert "Of its 5 rows, 1 is not a layer but" in " ".join(page.split())  # (mix:input: h + frozen(h))

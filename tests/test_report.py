@@ -495,10 +495,11 @@ def test_a_weight_owner_that_never_runs_takes_its_first_users_place(tmp_path: Pa
         "decoder.embed_tokens": {"weight": "shared"},
     }
     layers = tables["layers"]
-    ran = ["encoder.embed_tokens", "encoder.ln", "decoder.embed_tokens", "decoder.head"]
+    # (decoder.head:input: the sum head reads, which no module made)
+    ran = ["encoder.embed_tokens", "encoder.ln", "decoder.embed_tokens", "decoder.head:input", "decoder.head"]
     assert S.forward_order(layers) == [*ran, "shared"]  # without the owners: never ran, last
     assert S.forward_order(layers, shared) == ["shared", *ran]
-    assert T.module_order(layers, shared)[["shared", *ran]].tolist() == [0, 1, 2, 3, 4]
+    assert T.module_order(layers, shared)[["shared", *ran]].tolist() == [0, 1, 2, 3, 4, 5]
     assert T.module_order(layers, {}).equals(T.module_order(layers))  # an older run: nothing to place
     rows, _, _ = S.heatmap_matrix(tables["histograms"], layers, T.WEIGHT, shared)
     assert rows[0] == ("shared", "weight")
@@ -961,7 +962,8 @@ def test_a_weight_a_parametrization_computes_is_counted_once_among_the_weights()
     of 0.parametrizations.weight and again of 0.parametrizations.weight.0 (the _WeightNorm inside it). The
     what-if totals counted it twice among the activations, where the weights held only what it is computed from.
     It is counted once, among the weights (its gradient among the weight gradients): the elements of each kind
-    are those of the model's own tensors, counted from its shapes (batch of 4, two sampled steps)."""
+    are those of the model's own tensors, counted from its shapes (batch of 4, two sampled steps); the
+    activations hold the model's input too, which the first layer reads (its own input row)."""
     from torch.nn.utils.parametrizations import weight_norm
 
     torch.manual_seed(0)
@@ -976,10 +978,11 @@ def test_a_weight_a_parametrization_computes_is_counted_once_among_the_weights()
             opt.zero_grad()
             prof.step(loss=loss)
     outputs = 4 * 16 + 4 * 16 + 4 * 4  # each module's output: the Linear, the ReLU, the last Linear
+    read = 4 * 8  # the model's input, 0's own input row (no gradient)
     weights = sum(p.numel() for p in model.parameters()) + model[0].weight.numel()  # and the computed weight
     over = S.whatif_overview(prof.tables()["layers"]).set_index(T.TENSOR)[T.NUMEL]
     assert over.to_dict() == {
-        T.ACTIVATION: 2 * outputs,
+        T.ACTIVATION: 2 * (outputs + read),
         T.ACTIVATION_GRAD: 2 * outputs,
         T.WEIGHT: 2 * weights,
         T.WEIGHT_GRAD: 2 * weights,

@@ -551,7 +551,7 @@ def _retry_loop(
     and runs the whole batch again in four micro-batches; ``crash``: the error ends the run. Fills and returns
     ``out``: the Profiler (``prof``), the weights trained (``weights``), and what the test's own hooks saw
     (``seen``) of the forwards and backward passes that trained (with ``crash``: of all that ran), per (step,
-    layer, tensor): its outputs, its output gradients, and per (step, layer, parameter) the gradient the
+    layer, tensor): its outputs (and the layers' inputs), its output gradients, and per (step, layer, parameter) the gradient the
     optimizer got."""
     torch.manual_seed(0)
     model = _RetryNet()
@@ -574,6 +574,14 @@ def _retry_loop(
     model.fc2.register_forward_hook(boom)  # (first: fc2's output is read by no hook when it raises)
     for name in ("fc1", "act", "fc2", "fc3"):
         model.get_submodule(name).register_forward_hook(own(name))
+    # the layers' inputs that no module's row holds as read, each the layer's own row (T.input_module): fc1's
+    # (the micro-batch), fc2's (_FailingBackward's output, a function's), fc3's (act's, which ran twice a call)
+    for name in ("fc1", "fc2", "fc3"):
+        model.get_submodule(name).register_forward_pre_hook(
+            lambda m, args, n=T.input_module(name): pending.append(
+                (n, T.ACTIVATION, args[0].detach().clone())
+            )
+        )
     out = {} if out is None else out
     seen = out["seen"] = {}
 

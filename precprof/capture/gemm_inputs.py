@@ -1,14 +1,16 @@
 """The inputs of a sampled step's matmul layers, for ``StepHooks`` (``capture/hooks.py``, which this is a part
-of): a linear layer's input is the output of the module that made it (``capture.gemm_inputs``: autocast casts
-it, an FP8 or block-format GEMM would quantise it), found by object, else by the memory it views (a wrapper's
-new tensor object over the same memory); when no captured module made it (an attention's output, the model's
-own input), a row of its own (``:input``). An output changed in place between its maker's forward hook and the
-layer's pre-hook (``h[0, 3] += 3e4``, a residual added with ``+=``, ``masked_fill_``) is no longer what its
-maker's row holds: told by its version counter (host metadata, no sync), it is read as the layer's own input.
-So is an output whose maker ran more often in the step than the layer reading it (T5 applies one dropout to the
-embeddings and again to the encoder's output, which the cross-attention's k and v read; a model that reuses one
-``self.act`` after each layer): the maker's row adds up outputs the layer never read, so the layer reads its own
-input from then on, on that step (the maker already ran more often) or from the next one (it ran again after).
+of): a matmul layer's input (a linear layer's or a convolution's) is the output of the module that made it
+(``capture.gemm_inputs``: autocast casts it, an FP8 or block-format GEMM would quantise a linear layer's),
+found by object, else by the memory it views (a wrapper's new tensor object over the same memory); when no
+captured module made it (an attention's output, the model's own input, an ``F.interpolate`` between modules), a
+row of its own (``:input``), block formats on or off. An output changed in place between its maker's forward
+hook and the layer's pre-hook (``h[0, 3] += 3e4``, a residual added with ``+=``, ``masked_fill_``) is no longer
+what its maker's row holds: told by its version counter (host metadata, no sync), it is read as the layer's own
+input. So is an output whose maker ran more often in the step than the layer reading it (T5 applies one dropout
+to the embeddings and again to the encoder's output, which the cross-attention's k and v read; a model that
+reuses one ``self.act`` after each layer): the maker's row adds up outputs the layer never read, so the layer
+reads its own input from then on, on that step (the maker already ran more often) or from the next one (it ran
+again after).
 """
 
 from __future__ import annotations
@@ -51,15 +53,15 @@ class GemmInputs:
 
     def _gemm_input(self, slot: _ModuleSlot, x: torch.Tensor, turn: bool) -> None:
         """The input a matmul reads (autocast casts it; a linear layer's GEMM would quantise it): the output of
-        the module that made it, or, with block formats on, when no captured module did (an attention's output)
-        or it changed in place since, a linear layer's row of its own."""
+        the module that made it, or, when no captured module did (the model's own batch, an attention's output)
+        or it changed in place since, the layer's row of its own, a convolution's as a linear layer's. Only a
+        linear layer's gets the block-format what-if (``input_blocks``, and ``turn``: its group's step)."""
         found = self._maker_of(x)
         made = found[0]() if found is not None else None
         if made is not None and found is not None and found[2] != _compat.tensor_version(x):
             # changed in place since its maker's hook: the maker's row holds it as it was, the GEMM reads it as
-            # it is now (with block formats off, no row holds it: the layer is judged without its input)
+            # it is now (its own row holds it)
             found = made = None
-            slot.input_changed = True
         elif made is not None and found is not None and self._made_again(slot, found[1]):
             found = made = None
         if made is None and slot.first_from >= 0 and _compat.backward_pass_id() is not None:
@@ -68,10 +70,10 @@ class GemmInputs:
         if found is not None and made is not None:
             slot.input_from.add(found[1])
             self._read_from[(slot.activation, found[1])] = slot
-            if turn and slot.input >= 0:  # read as the output that made it: several readers count it once
+            if turn and slot.input_blocks:  # read as the output that made it: several readers count it once
                 self.buffer.accumulate_blocks(_local(made), found[1])
         elif slot.input >= 0 and self._add(local := _local(x), slot.input):
-            if turn:
+            if turn and slot.input_blocks:
                 self.buffer.accumulate_blocks(local, slot.input)
             self.rows.seen(slot.input, x.dtype)
             self.has_data = True

@@ -9,8 +9,9 @@ given, each with the parametrizations of its parameters (``<name>.parametrizatio
 module, rows for its output (``activation``) and the output's gradient (``activation_grad``); per parameter it
 owns (the first owner of a tied parameter), a ``weight`` row and, when it can have a gradient (floating point),
 a ``weight_grad`` row, frozen or not: a parameter frozen at attach and unfrozen later (gradual unfreezing) has
-its gradient read from then on (a row nothing is read into is not written); with block formats, a linear layer
-also gets a row for its input when no captured module produced it (``T.input_module``).
+its gradient read from then on (a row nothing is read into is not written); a matmul layer (a linear layer or a
+convolution) also gets a row for its input, written when no captured module produced it (``T.input_module``:
+the model's own batch, a function's output), with block formats on or off.
 """
 
 from __future__ import annotations
@@ -191,8 +192,11 @@ class CapturePlan:
                 call_shapes=[] if key else None,
                 call_shapes_key=key,
             )
-            if block_formats and slot.gemm:
+            # (autocast casts what a convolution reads as it does a linear layer's input; block-scaled GEMMs read
+            # a linear layer's alone)
+            if slot.reads_input:
                 slot.input = rows.new(T.input_module(name), T.INPUT_MODULE_TYPE, T.ACTIVATION)
+                slot.input_blocks = block_formats and slot.gemm
             for pname, p in module.named_parameters(recurse=False):
                 if id(p) in owner:
                     slot.shared[pname] = owner[id(p)]
@@ -231,7 +235,7 @@ class CapturePlan:
         out = []
         for slot in self.modules:
             out.append(slot.activation)
-            if slot.input >= 0:
+            if slot.input_blocks:
                 out.append(slot.input)
             if slot.gemm:
                 out.append(slot.activation_grad)

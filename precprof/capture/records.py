@@ -154,18 +154,17 @@ class _ModuleSlot:
     block_group: int = (
         0  # the sampled steps whose block-format what-if reads this module's operands (hooks.py)
     )
-    # a linear layer's input when no captured module produced it (T.input_module), with block formats on
+    # a matmul's input when no captured module produced it (T.input_module): the model's own batch, a function's
+    # output (-1: not a matmul)
     input: int = -1
+    # whether its input gets the block-format what-if (a linear layer with block formats on; not a convolution)
+    input_blocks: bool = False
     # the rows of the captured modules whose outputs its GEMM read as its input (``input`` has the others): what
     # the block what-if judges as the layer's input operand, and the tensors an fp16 autocast would cast to fp16
     # (summary capture.gemm_inputs)
     input_from: set[int] = field(default_factory=set)
-    # a call's input was a captured module's output changed in place after that module returned it (read as its
-    # own input, ``input``): listed in capture.gemm_inputs with block formats off too, so that no reader guesses
-    # the module before it made its input
-    input_changed: bool = False
     # a module whose output it read had run more often in a sampled step than it (``GemmInputs._made_again``):
-    # it reads its own input (``input``) from then on, and is listed in capture.gemm_inputs, block formats off too
+    # it reads its own input (``input``) from then on
     maker_repeated: bool = False
     # its input row held a tensor the model itself was called with (summary capture.model_inputs): no module of
     # the model computed it, the layer reading it is the one to keep in fp32

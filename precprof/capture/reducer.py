@@ -223,7 +223,8 @@ def _row_layout(model: nn.Module, modules: Sequence[str]) -> list[tuple[str, str
     """(module, tensor, param) of each Profiler buffer row, rebuilt from the captured module names in order.
 
     Mirrors ``Profiler._attach``: per captured module an activation and an activation_grad row, its input's row
-    when it has one (a linear layer with block formats on: ``T.input_module(name)`` is then among ``modules``),
+    when it has one (a matmul layer whose input no captured module made: ``T.input_module(name)`` is then among
+    ``modules``),
     then per own parameter (first owner only) a weight row and, when it can have a gradient, a weight_grad row.
     """
     rows: list[tuple[str, str, str]] = []

@@ -265,13 +265,13 @@ class ProfilerResults:
             if plan
             else {}
         )
-        # per matmul, the captured modules whose outputs it read as its input: every linear layer with block
-        # formats on (an empty list: it read its own input row), else those that read one or one changed in place
+        # per matmul layer (linear layers and convolutions), the captured modules whose outputs it read as its
+        # input (an empty list: it read only its own input row, T.input_module)
         gemm_inputs = (
             {
                 slot.name: sorted({plan.rows.info[r].module for r in slot.input_from})
                 for slot in plan.modules
-                if slot.input >= 0 or slot.input_from or slot.input_changed or slot.maker_repeated
+                if slot.reads_input
             }
             if plan is not None
             else None

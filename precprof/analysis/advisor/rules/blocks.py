@@ -126,7 +126,9 @@ def inputs_of(
     own = T.input_module(m)
     capture = run.summary.get(T.SUMMARY_CAPTURE) or {}
     recorded = capture.get("gemm_inputs") if isinstance(capture, Mapping) else None
-    if isinstance(recorded, Mapping) and m in recorded:  # every linear layer, with block formats on
+    if (
+        isinstance(recorded, Mapping) and m in recorded
+    ):  # every matmul layer (an older run: with block formats on)
         found = recorded.get(m)
         sources = [str(s) for s in found if str(s) in modules] if isinstance(found, list) else []
         return sources + ([own] if own in modules else [])
