@@ -108,9 +108,7 @@ SKIPPED_OPTIMIZERS = "skipped_optimizers"
 GRAD_NORM = "grad_norm"
 TIME_S = "time_s"
 SAMPLED = "sampled"
-SAMPLE_REASON = (
-    "sample_reason"  # why the step was sampled (precprof.capture.sampling.REASONS), "" if it was not
-)
+SAMPLE_REASON = "sample_reason"  # why the step was sampled (REASONS below), "" if it was not
 TOKENS = "tokens"
 RESUMED = "resumed"  # the first step of a run resumed from its checkpoint (precprof.parts: segments)
 # the step in progress when the run stopped (a crash, Ctrl-C): it recorded what it reached, but never finished, and
@@ -191,6 +189,15 @@ GRADIENT_KINDS = (ACTIVATION_GRAD, WEIGHT_GRAD)
 # the activation of a pseudo-module named after the layer, so the block formats judge that operand too
 INPUT_SUFFIX = ":input"
 INPUT_MODULE_TYPE = "(function output)"
+
+# why a step was sampled (the steps table's sample_reason; precprof.capture.sampling decides it, the report words it)
+REASON_INTERVAL = "interval"  # every N-th step (sample_every=N)
+REASON_FIRST = "first"  # the first steps of a budgeted run
+REASON_BUDGET = "budget"  # within the budget
+REASON_NONFINITE = "nonfinite loss"  # right after a non-finite loss
+REASON_SKIPPED = "skipped step"  # right after a step the GradScaler skipped
+REASON_SPIKE = "loss spike"  # right after a loss spike
+REASONS = (REASON_INTERVAL, REASON_FIRST, REASON_BUDGET, REASON_NONFINITE, REASON_SKIPPED, REASON_SPIKE)
 
 
 # The root module's name (its qualified name is ""), in every table, sentence and list that shows it

@@ -67,6 +67,15 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from precprof.schema import (  # why a step was sampled (the steps table's sample_reason)
+    REASON_BUDGET,
+    REASON_FIRST,
+    REASON_INTERVAL,
+    REASON_NONFINITE,
+    REASON_SKIPPED,
+    REASON_SPIKE,
+)
+
 DEFAULT_BUDGET = 0.03  # the share of the run's time the Profiler may add, by default
 FIRST_STEPS = 2  # sampled at the start of a budgeted run
 TRIGGER_HEADROOM = 2.0  # a step that matters may take the overhead up to this many budgets
@@ -87,15 +96,6 @@ REFRESH_EVERY = 16  # budgeted steps sampled in a row before an unsampled one is
 COMPILES_IN_A_ROW = (
     3  # unsampled steps that compiled in a row, left out; after them, compiling is the step's own
 )
-
-# why a step was sampled (the steps table's sample_reason)
-REASON_INTERVAL = "interval"  # every N-th step (sample_every=N)
-REASON_FIRST = "first"  # the first steps of a budgeted run
-REASON_BUDGET = "budget"  # within the budget
-REASON_NONFINITE = "nonfinite loss"  # right after a non-finite loss
-REASON_SKIPPED = "skipped step"  # right after a step the GradScaler skipped
-REASON_SPIKE = "loss spike"  # right after a loss spike
-REASONS = (REASON_INTERVAL, REASON_FIRST, REASON_BUDGET, REASON_NONFINITE, REASON_SKIPPED, REASON_SPIKE)
 
 
 @dataclass

@@ -13,6 +13,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from precprof import schema as S
 from precprof import tables as T
 from precprof.analysis.throughput import MIN_STEPS, timed_enough, within_noise
 from precprof.report import filters as F
@@ -652,14 +653,14 @@ def capture_rows(
     return rows
 
 
-# why a step was sampled (capture.sampling.REASONS), as the environment says it
+# why a step was sampled (schema.REASONS), as the environment says it
 _REASONS = {
-    "first": "first",
-    "budget": "within the budget",
-    "interval": "on the interval",
-    "nonfinite loss": "right after a non-finite loss",
-    "skipped step": "right after a skipped step",
-    "loss spike": "right after a loss spike",
+    S.REASON_FIRST: "first",
+    S.REASON_BUDGET: "within the budget",
+    S.REASON_INTERVAL: "on the interval",
+    S.REASON_NONFINITE: "right after a non-finite loss",
+    S.REASON_SKIPPED: "right after a skipped step",
+    S.REASON_SPIKE: "right after a loss spike",
 }
 
 

@@ -15,22 +15,24 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from precprof import schema as S
+from precprof._priority import NICENESS_ENV
 from precprof.report import filters as F
 
 # the wait for the stream's writer is said where it is at least this share of precprof's added time
 WRITER_WAIT_SAID = 0.10
-# the environment variable that sets the writer process's niceness (precprof._priority.NICENESS_ENV)
-NICENESS_ENV = "PRECPROF_HELPER_NICENESS"
 
-# capture.sampling.REASON_FIRST: the first steps of a budgeted run, sampled whatever the budget
-FIRST = "first"
-# capture.sampling.REASON_SPIKE, _NONFINITE, _SKIPPED: a step right after one of these is sampled beyond the
-# budget; what the step was, in words
-EVENTS = {"loss spike": "loss spikes", "nonfinite loss": "non-finite losses", "skipped step": "skipped steps"}
+# a step right after one of these is sampled beyond the budget (the first steps of a budgeted run are too, whatever
+# it); what the steps were, in words
+EVENTS = {
+    S.REASON_SPIKE: "loss spikes",
+    S.REASON_NONFINITE: "non-finite losses",
+    S.REASON_SKIPPED: "skipped steps",
+}
 EVENT = {
-    "loss spike": "a loss spike",
-    "nonfinite loss": "a non-finite loss",
-    "skipped step": "a skipped step",
+    S.REASON_SPIKE: "a loss spike",
+    S.REASON_NONFINITE: "a non-finite loss",
+    S.REASON_SKIPPED: "a skipped step",
 }
 
 
@@ -67,7 +69,7 @@ def past_budget(sampling: Mapping[str, Any]) -> tuple[str, str]:
         what = " or ".join(EVENTS[r] for r in kinds) if n_events > 1 else EVENT[kinds[0]]
         who.append((_steps(n_events, f"steps sampled right after {what}"), added_events))
         rest -= added_events
-    n_first, added_first = int(reasons.get(FIRST) or 0), _number(by.get(FIRST)) or 0.0
+    n_first, added_first = int(reasons.get(S.REASON_FIRST) or 0), _number(by.get(S.REASON_FIRST)) or 0.0
     # the first steps too, where the rest is past the budget without them (a short run's)
     first = rest > budget and n_first > 0 and added_first > 0
     if first:
