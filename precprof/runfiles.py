@@ -75,6 +75,25 @@ SUMMARY_NONFINITE = "nonfinite_figures"  # where a text ("NaN", "Infinity") is a
 STATUS_COMPLETE = "complete"
 STATUS_INCOMPLETE = "incomplete"
 
+# config["source"] of a run of the callbacks (``precprof.integrations``), whose sample_every is
+# PrecprofCallback's argument; a run of the built-in loop has config["command_line"], a loop of the user's own
+# neither
+SOURCE_LIGHTNING = "lightning.Trainer"
+SOURCE_TRANSFORMERS = "transformers.Trainer"
+CALLBACK_SOURCES = frozenset({SOURCE_LIGHTNING, SOURCE_TRANSFORMERS})
+
+
+def sample_every_setting(cfg: Mapping[str, Any], n: str = "N") -> str:
+    """The setting of a sampling interval ``n`` as the run ``cfg`` (its summary's config) sets it: ``--sample-every
+    N`` in a run of the built-in loop (``precprof train``, ``precprof compare``: its config is ``TrainConfig``'s,
+    with its ``command_line``), ``PrecprofCallback(sample_every=N)`` under the callbacks (their config's
+    ``source``), else the Profiler's argument of a loop of the user's own, which records no config."""
+    if cfg.get("source") in CALLBACK_SOURCES:
+        return f"PrecprofCallback(sample_every={n})"
+    if "command_line" in cfg:
+        return f"--sample-every {n}"
+    return f"Profiler(sample_every={n})"
+
 
 def _json_default(o: Any) -> Any:
     if hasattr(o, "to_dict"):

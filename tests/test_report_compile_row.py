@@ -18,7 +18,7 @@ from torch import nn
 import precprof
 from precprof import tables as T
 from precprof.report import filters as F
-from precprof.report.context import _headline
+from precprof.report.context import _headline, _no_memory_why
 from precprof.report.environment import capture_rows
 
 
@@ -114,6 +114,20 @@ def test_the_overhead_of_a_run_that_sampled_no_step_is_what_prof_step_took() -> 
     few = _run(3, compile_model=False, sample_every=0, memory=False)
     head = dict(_headline({T.SUMMARY_CAPTURE: few.summary()}, few.tables()["steps"], T.empty("layers")))
     assert head["precprof's overhead"] == "not measured (no step sampled; 2 steps timed: 3 needed)"
+    # what such a run could not measure names the setting of a loop of the user's own, not the CLI's flag
+    rec = precprof.recommend(few, hardware="h100", summary={})
+    said = " ".join([*rec.reasons, *(f.message for f in rec.findings)])
+    assert "Profiler(sample_every=0) records none" in said and "profile with Profiler(sample_every=N)" in said
+    assert "--sample-every" not in said
+    # and the CLI's flag where the built-in loop recorded it, the callback's argument under a Trainer
+    cli = precprof.recommend(few, hardware="h100", summary={T.SUMMARY_CONFIG: {"command_line": "precprof train"}})
+    assert "(--sample-every 0 records none)" in " ".join(cli.reasons)
+    hf = precprof.recommend(few, hardware="h100", summary={T.SUMMARY_CONFIG: {"source": T.SOURCE_TRANSFORMERS}})
+    assert "PrecprofCallback(sample_every=N)" in " ".join(hf.reasons)
+    unsampled = {"memory_steps": {"sampled_steps": 0, "measured_steps": 0}}
+    assert _no_memory_why({T.SUMMARY_CAPTURE: unsampled}).startswith(
+        "Memory is measured on sampled steps, and no step was sampled (Profiler(sample_every=0) samples none)"
+    )
     # a run of 2 steps, whose summary has no overhead at all, said nothing
     two = _run(2, compile_model=False, sample_every=0, memory=False)
     assert two.summary()["sampling"]["overhead"] is None

@@ -294,7 +294,7 @@ class PrecprofCallback(TrainerCallback):  # type: ignore[misc]
         accel = getattr(trainer if trainer is not None else _calling_trainer(), "accelerator", None)
         summary: dict[str, Any] = {
             T.SUMMARY_CONFIG: {
-                "source": "transformers.Trainer",
+                "source": T.SOURCE_TRANSFORMERS,
                 "precision": requested,
                 "fp16": bool(getattr(args, "fp16", False)),
                 "bf16": bool(getattr(args, "bf16", False)),

@@ -188,7 +188,7 @@ class PrecprofCallback(Callback):  # type: ignore[misc]
         requested = precprof_precision(lightning_precision)
         summary: dict[str, Any] = {
             T.SUMMARY_CONFIG: {
-                "source": "lightning.Trainer",
+                "source": T.SOURCE_LIGHTNING,
                 "precision": requested,
                 "lightning_precision": lightning_precision,
                 "precision_plugin": type(plugin).__name__ if plugin is not None else None,

@@ -13,11 +13,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from precprof import tables as T
 from precprof.report import filters as F
-
-# the summary's config["source"] of a run of the callbacks (``precprof.integrations``), whose sample_every is
-# PrecprofCallback's argument
-CALLBACK_SOURCES = frozenset({"lightning.Trainer", "transformers.Trainer"})
 
 
 def _int(v: Any) -> int | None:
@@ -26,18 +23,6 @@ def _int(v: Any) -> int | None:
 
 def _map(v: Any) -> Mapping[str, Any]:
     return v if isinstance(v, Mapping) else {}
-
-
-def sample_every_setting(cfg: Mapping[str, Any]) -> str:
-    """The setting of a sampling interval N as this run sets it: ``--sample-every N`` in a run of the built-in
-    loop (``precprof train``, ``precprof compare``: its config is ``TrainConfig``'s, with its ``command_line``),
-    ``PrecprofCallback(sample_every=N)`` under the callbacks (their config's ``source``), else the Profiler's
-    argument of a loop of the user's own, which records no config."""
-    if cfg.get("source") in CALLBACK_SOURCES:
-        return "PrecprofCallback(sample_every=N)"
-    if "command_line" in cfg:
-        return "--sample-every N"
-    return "Profiler(sample_every=N)"
 
 
 def memory_shows_activations(capture: Mapping[str, Any]) -> bool:
@@ -81,7 +66,7 @@ def compiled_row(capture: Mapping[str, Any], cfg: Mapping[str, Any]) -> str:
         )
         return (
             f"{what}: every step was sampled, and a sampled step runs it eagerly (for the hooks): no step of this "
-            f"run ran compiled, so its {eager} are eager PyTorch's (sample fewer steps to see compiled ones: {sample_every_setting(cfg)} with N "
+            f"run ran compiled, so its {eager} are eager PyTorch's (sample fewer steps to see compiled ones: {T.sample_every_setting(cfg)} with N "
             "above 1)" + _random_note(capture, what)
         )
     text = (

@@ -663,14 +663,14 @@ def _memory_scope_call(summary: Mapping[str, Any]) -> dict[str, str]:
     Lightning or Hugging Face callback, the callback's ``profiler`` (the user holds no Profiler of their own)."""
     config = summary.get("config")
     source = config.get("source") if isinstance(config, Mapping) else None
-    if source == "lightning.Trainer":
+    if source == T.SOURCE_LIGHTNING:
         return {
             "call": "precprof_cb.profiler.memory_scope()",
             "where": "in your LightningModule's training_step, precprof_cb being the PrecprofCallback you gave "
             "the Trainer",
             "code": "out = self(x)\nwith precprof_cb.profiler.memory_scope():\n    loss = loss_fn(out, y)\nreturn loss",
         }
-    if source == "transformers.Trainer":
+    if source == T.SOURCE_TRANSFORMERS:
         return {
             "call": "precprof_cb.profiler.memory_scope()",
             "where": "in your Trainer's compute_loss, precprof_cb being the PrecprofCallback you gave the Trainer",
@@ -773,9 +773,11 @@ def _no_memory_why(summary: Mapping[str, Any]) -> str:
     steps = capture.get("memory_steps")
     if isinstance(steps, Mapping) and not steps.get("measured_steps"):
         if not steps.get("sampled_steps"):
+            cfg = summary.get(T.SUMMARY_CONFIG)
+            cfg = cfg if isinstance(cfg, Mapping) else {}
             return (
-                "Memory is measured on sampled steps, and no step was sampled (--sample-every 0, or "
-                "Profiler(sample_every=0), samples none): sample some steps to measure it."
+                f"Memory is measured on sampled steps, and no step was sampled "
+                f"({T.sample_every_setting(cfg, '0')} samples none): sample some steps to measure it."
             )
         return "No sampled step measured it."
     return ""

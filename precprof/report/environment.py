@@ -513,7 +513,7 @@ def _max_steps(cfg: Mapping[str, Any]) -> str:
     if n < 0:
         return "none (the epochs set the length)"
     k = _int(cfg.get("optimizers")) or 1
-    if cfg.get("source") == "lightning.Trainer" and k > 1:
+    if cfg.get("source") == T.SOURCE_LIGHTNING and k > 1:
         return (
             f"{F.count(n)} (Lightning's count of optimizer steps, one per step of each of the {F.count(k)} "
             "optimizers; precprof counts one step per batch)"

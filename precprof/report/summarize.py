@@ -487,7 +487,7 @@ def asked_as(summary: Mapping[str, Any]) -> str:
     lightning = cfg.get("lightning_precision")
     if lightning and str(lightning) != _asked_precision(summary):
         return f'Lightning\'s precision="{lightning}"'
-    if cfg.get("source") == "transformers.Trainer":
+    if cfg.get("source") == T.SOURCE_TRANSFORMERS:
         flags = [f"{k}=True" for k in ("bf16", "fp16") if cfg.get(k) is True]
         return f"TrainingArguments({', '.join(flags)})" if flags else ""
     return ""

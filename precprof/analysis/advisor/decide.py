@@ -13,7 +13,7 @@ from precprof.analysis.advisor.text import _g, _listing, _name, _pct, _pow2, _sc
 from precprof.taxonomy import FP8_DIM_MULTIPLE
 
 
-def _not_measured(plan: _Plan) -> str:
+def _not_measured(run: _Run, plan: _Plan) -> str:
     """What a reason says of a figure no sampled step recorded."""
     if plan.weights_only:
         return (
@@ -22,8 +22,8 @@ def _not_measured(plan: _Plan) -> str:
         )
     if not plan.measured:
         return (
-            "not measured: this run recorded no per-layer statistics (--sample-every 0 records none); profile "
-            "with --sample-every N to measure it"
+            f"not measured: this run recorded no per-layer statistics ({T.sample_every_setting(run.run_config, '0')} "
+            f"records none); profile with {T.sample_every_setting(run.run_config)} to measure it"
         )
     if plan.forward_broken and plan.gradients_measured:
         return "not measured: every sampled step's forward pass was already non-finite, and its gradients with it"
@@ -253,7 +253,7 @@ def _decide(run: _Run, plan: _Plan) -> Recommendation:
             + (
                 " and the measured gradients do not underflow it."
                 if plan.gradients_usable
-                else f"; whether this model's gradients underflow it was {_not_measured(plan)}."
+                else f"; whether this model's gradients underflow it was {_not_measured(run, plan)}."
             )
             + (
                 " Its speed against fp32 on this CPU is not measured by one run: precprof compare "
@@ -313,7 +313,7 @@ def _decide(run: _Run, plan: _Plan) -> Recommendation:
             if plan.gradients_usable and plan.grad_absmax is not None
             else f"Start GradScaler at {'its default ' if k == cfg.default_loss_scale_log2 else ''}init_scale="
             f"{_scale(k)} (2^{k}): the loss scale that keeps this model's gradients in fp16's range was "
-            f"{_not_measured(plan)}"
+            f"{_not_measured(run, plan)}"
             + (
                 f"; {_pow2(k)} lifts a gradient at fp16's flush point (2^-25) to 0.5, and GradScaler backs off "
                 "from it where one overflows."
@@ -335,7 +335,7 @@ def _decide(run: _Run, plan: _Plan) -> Recommendation:
             f"(precprof compare --precisions fp32,{measured} measures both); what {measured} needs follows."
             if plan.measured and not plan.forward_broken
             else f"On {target} the decision tree alone would give {measured}; whether this model's values fit it "
-            f"was {_not_measured(plan)}."
+            f"was {_not_measured(run, plan)}."
         )
         reasons = [
             f"The model has {T.params_text(plan.n_params)} parameters, under {T.params_text(cfg.small_model_params)}: the "

@@ -644,7 +644,8 @@ def _rule_loss_scale(run: _Run, plan: _Plan, fwd_bad_steps: set[int]) -> None:
                     if plan.gradients_measured
                     else "The run recorded no gradient (no sampled step with a backward pass"
                     + (
-                        "; it recorded no per-layer statistics at all, as --sample-every 0 does)"
+                        f"; it recorded no per-layer statistics at all, as "
+                        f"{T.sample_every_setting(run.run_config, '0')} does)"
                         if not plan.measured
                         else ")"
                     )

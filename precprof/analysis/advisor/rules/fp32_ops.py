@@ -410,7 +410,7 @@ def _rope_remedy(run: _Run) -> str:
     casts the whole module with .to() before ``on_fit_start``, however the model was loaded)."""
     config = run.run_config
     after = ".float() restores their dtype, not the bits the cast rounded away."
-    if config.get("source") == "lightning.Trainer" and str(config.get("lightning_precision", "")).endswith(
+    if config.get("source") == T.SOURCE_LIGHTNING and str(config.get("lightning_precision", "")).endswith(
         "-true"
     ):
         return (
