@@ -516,5 +516,6 @@ def test_without_its_own_input_row_such_a_layer_is_said_judged_without_its_input
     assert (
         "The input of 1 layer(s) was not recorded (k: a module's output changed in place after the module "
         "returned it, or made by a module that ran more often in the step than the layer, which no row holds as "
-        "the layer read it, and the block-format what-if, which records a layer's own input, was off)"
+        "the layer read it, and the run has no row of the layer's own input, as a run recorded by an older "
+        "precprof with the block-format what-if off has none)"
     ) in f.message

@@ -120,9 +120,13 @@ def test_the_overhead_of_a_run_that_sampled_no_step_is_what_prof_step_took() -> 
     assert "Profiler(sample_every=0) records none" in said and "profile with Profiler(sample_every=N)" in said
     assert "--sample-every" not in said
     # and the CLI's flag where the built-in loop recorded it, the callback's argument under a Trainer
-    cli = precprof.recommend(few, hardware="h100", summary={T.SUMMARY_CONFIG: {"command_line": "precprof train"}})
+    cli = precprof.recommend(
+        few, hardware="h100", summary={T.SUMMARY_CONFIG: {"command_line": "precprof train"}}
+    )
     assert "(--sample-every 0 records none)" in " ".join(cli.reasons)
-    hf = precprof.recommend(few, hardware="h100", summary={T.SUMMARY_CONFIG: {"source": T.SOURCE_TRANSFORMERS}})
+    hf = precprof.recommend(
+        few, hardware="h100", summary={T.SUMMARY_CONFIG: {"source": T.SOURCE_TRANSFORMERS}}
+    )
     assert "PrecprofCallback(sample_every=N)" in " ".join(hf.reasons)
     unsampled = {"memory_steps": {"sampled_steps": 0, "measured_steps": 0}}
     assert _no_memory_why({T.SUMMARY_CAPTURE: unsampled}).startswith(

@@ -486,8 +486,8 @@ def _unread_words(run: _Run, unread: list[str], limit: int) -> str:
     """The words naming the layers whose input no row records (``unread``; "" when there are none), and why: made
     by no module precprof watches, or, for those the capture lists with no maker (``capture.gemm_inputs``), an
     output changed in place after its maker returned it, or of a maker that ran more often in the step than the
-    layer, which no row holds as the layer read it. The block-format what-if, which records a layer's own input,
-    was off."""
+    layer, which no row holds as the layer read it. A run recorded now has a row of every matmul layer's own input;
+    one recorded by an older precprof with the block-format what-if off has none."""
     if not unread:
         return ""
     capture = run.summary.get(T.SUMMARY_CAPTURE) or {}
@@ -504,8 +504,9 @@ def _unread_words(run: _Run, unread: list[str], limit: int) -> str:
         else []
     )
     return (
-        f". The input of {len(unread)} layer(s) was not recorded ({'; '.join(causes)}, and the block-format what-if, "
-        "which records a layer's own input, was off): they are judged on their weight and output gradient"
+        f". The input of {len(unread)} layer(s) was not recorded ({'; '.join(causes)}, and the run has no row of the "
+        "layer's own input, as a run recorded by an older precprof with the block-format what-if off has none): they "
+        "are judged on their weight and output gradient"
     )
 
 
@@ -529,8 +530,8 @@ def _made_again_words(run: _Run, again: pd.DataFrame, inputs: Mapping[str, list[
         + (
             f" (not judged on {len(unread)} sampled step(s); the layer's own input is read from the next one on)"
             if all(T.input_module(m) in inputs.get(m, []) for m in layers)
-            else "; the layer's own input is recorded with the block-format what-if on (it was off): it is "
-            "judged on its weight and output gradient"
+            else "; the run has no row of the layer's own input (a run recorded by an older precprof with the "
+            "block-format what-if off has none): it is judged on its weight and output gradient"
         )
     )
 
