@@ -619,6 +619,46 @@ def test_a_resumed_run_goes_on_in_tensorboard_where_the_killed_job_stopped(tmp_p
     assert [live[s] for s in range(10)] == want
 
 
+@pytest.mark.filterwarnings("error:precprof. stopped writing:UserWarning")
+@pytest.mark.parametrize("owner", ["precprof", "caller"])
+def test_a_profiler_attached_again_and_a_second_one_in_the_same_second_log_every_step_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, owner: str
+) -> None:
+    """``Profiler(tensorboard=DIR)`` detached (around an evaluation) and attached again wrote nothing more:
+    ``detach`` closed the event file and the next write went to the closed file (the sink dropped with "write
+    to closed file"). And a second Profiler logging to the same folder in the same second (a job resumed in
+    the same process) opened the same file name "wb", wiping the first one's steps. Each writer now has a file
+    of its own; a SummaryWriter the caller hands in is flushed, never closed. Every step is there, once."""
+    from types import SimpleNamespace
+
+    from precprof.export import tensorboard as tb_module
+
+    monkeypatch.setattr(tb_module, "time", SimpleNamespace(time=lambda: 1.7e9))  # every file in one second
+    tb = tmp_path / "tb"
+    writer = exporting.tensorboard.summary_writer_class()(str(tb)) if owner == "caller" else None
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    kw = {"optimizer": opt, "sample_every": 2, "memory": False, "tensorboard": writer or tb}
+    prof = precprof.Profiler(model, **kw)
+    for _ in range(2):  # steps 0-1, an evaluation, steps 2-3
+        prof.attach()
+        for _ in range(2):
+            prof.step(loss=_sgd_step(model, opt))
+        prof.detach()
+    with precprof.Profiler(model, first_step=4, **kw) as again:  # the job going on in this process
+        for _ in range(2):
+            again.step(loss=_sgd_step(model, opt))
+    if writer is not None:
+        assert writer.file_writer is not None  # still open: the caller's to close
+        writer.close()
+    acc = _accumulator(tb)
+    assert [s.step for s in acc.Scalars("precprof/loss")] == list(range(6))  # once each, none lost
+    assert [h.step for h in acc.Histograms("precprof/exponent/all/weight")] == [0, 2, 4]
+    if writer is None:  # attached, attached again, the second Profiler
+        assert len(list(tb.glob("events.out.tfevents.*"))) == 3
+
+
 @pytest.mark.skipif(wandb is None, reason="wandb is not installed (pip install wandb)")
 @pytest.mark.parametrize("handed_in", [False, True])
 def test_a_wandb_run_finished_inside_the_profiler_is_said_to_be_finished(

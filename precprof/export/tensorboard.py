@@ -9,11 +9,12 @@ The histogram's ``sum`` and ``sum_squares`` are over the bins' exponents e (floo
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import socket
 import time
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -133,11 +134,15 @@ class TensorBoardSink:
             self.writer.flush()
 
     def close(self) -> None:
+        """Close the log directory's event file (a write after it, a Profiler attached again, starts a new one:
+        the closed one kept its writer and the sink died on "write to closed file"), or flush the caller's
+        SummaryWriter (theirs to close)."""
         if self._writer is None:
             return
         if self._owned:
+            writer, self._writer = self._writer, None
             with self._cannot_write():
-                self._writer.close()
+                writer.close()
         else:
             self._writer.flush()
 
@@ -155,8 +160,7 @@ class SyncEventWriter:
         from tensorboard.summary.writer.record_writer import RecordWriter
 
         os.makedirs(log_dir, exist_ok=True)
-        name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.precprof"
-        self._file = open(os.path.join(log_dir, name), "wb")  # noqa: SIM115 (closed by close())
+        self._file = _new_event_file(log_dir)
         self._records = RecordWriter(self._file)
         self._event_class = TBEvent
         self.file_writer = self
@@ -188,3 +192,21 @@ class SyncEventWriter:
                 self._file.flush()
             finally:
                 self._file.close()
+
+
+_file_number = itertools.count()  # this process's event files, in the order they were made
+
+
+def _new_event_file(log_dir: str) -> BinaryIO:
+    """A new event file in ``log_dir``, opened for writing: never one that exists (a second writer in the same
+    second, host and process, a Profiler attached again or a job resumed in the same process, had the same name
+    and wiped the first's file). The name goes on from TensorBoard's, ``events.out.tfevents.<second>.<host>.
+    <pid>``, with a number that grows with each file this process makes (zero-padded: TensorBoard reads a
+    folder's files in the order of their names, and a step older than the last one read drops the newer ones)."""
+    prefix = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}"
+    while True:
+        path = os.path.join(log_dir, f"{prefix}.{next(_file_number):06d}.precprof")
+        try:
+            return open(path, "xb")  # closed by SyncEventWriter.close
+        except FileExistsError:  # another process of the same pid and host (a container restarted) made it
+            continue
