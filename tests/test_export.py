@@ -12,6 +12,7 @@ import struct
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -417,10 +418,14 @@ def _sgd_step(model: nn.Module, opt: torch.optim.Optimizer) -> torch.Tensor:
     return loss.detach()
 
 
-def _fp16_loop_beside_wandb(steps: int, sample_every: int, explicit: bool) -> dict[str, list[float]]:
+def _fp16_loop_beside_wandb(
+    steps: int, sample_every: int, explicit: bool, evaluate_at: int | None = None
+) -> dict[str, list[float]]:
     """A tiny fp16 loop (autocast, a GradScaler whose first scales overflow) that logs its own loss to the
     current wandb run before ``prof.step``, with ``step=`` its step or without; what the loop saw itself, per
-    step: the loss, the scale of its backward, and whether ``update()`` lowered it (the step was skipped)."""
+    step: the loss, the scale of its backward, and whether ``update()`` lowered it (the step was skipped).
+    ``evaluate_at``: after that step the Profiler is detached around an evaluation, which logs ``my/eval``
+    at the loop's step, and attached again."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -443,6 +448,10 @@ def _fp16_loop_beside_wandb(steps: int, sample_every: int, explicit: bool) -> di
             seen["skipped"].append(float(scaler.get_scale() < scale))
             wandb.log({"my/loss": seen["loss"][-1]}, **({"step": s} if explicit else {}))
             prof.step(loss=loss)
+            if s == evaluate_at:
+                prof.detach()
+                wandb.log({"my/eval": float(model(x).mean())}, **({"step": s} if explicit else {}))
+                prof.attach()
     return seen
 
 
@@ -458,21 +467,26 @@ def test_a_loop_that_logs_to_wandb_with_its_step_gets_every_unsampled_steps_row(
     """The loop logs its own loss with ``wandb.log(..., step=s)`` and samples every 3rd step: the unsampled
     steps' rows reach precprof's host at the next sampled step, after the loop had logged a later step, and
     wandb dropped them (precprof/loss at steps 0, 3, 6 of 9). Each waits for a wandb step of its own, against
-    precprof/step: the loop's own values stay where it logged them, and only the rows still waiting when the
-    Profiler closes are left out, with a warning that names them."""
+    precprof/step: the loop's own values stay where it logged them. The rows still waiting when the Profiler
+    closed (7, 8: with the default sampling, 255 of 300 steps) were left out with a warning, and those waiting
+    at a detach around an evaluation too (a gap mid-run): they go on after the attach, and the last ones when
+    the run finishes, past the loop's last step (its own last log, after the Profiler's close, kept)."""
     wb_run = _offline_wandb(tmp_path, monkeypatch)
     try:
-        with pytest.warns(
-            RuntimeWarning, match=r"wandb has no row of 2 steps \(7\.\.8\): the loop's own wandb.log"
-        ):
-            seen = _fp16_loop_beside_wandb(steps=9, sample_every=3, explicit=True)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            seen = _fp16_loop_beside_wandb(steps=9, sample_every=3, explicit=True, evaluate_at=4)
+        assert not [w for w in caught if "precprof" in str(w.message)]  # no row left out
+        wandb.log({"my/final": 1.0}, step=8)
     finally:
         wb_run.finish()
         _wandb_files_closed()
     history = _wandb_history(next((tmp_path / "wandb").glob("offline-run-*")))
-    assert {s: r["my/loss"] for s, r in history.items()} == dict(enumerate(seen["loss"]))
+    assert {s: r["my/loss"] for s, r in history.items() if "my/loss" in r} == dict(enumerate(seen["loss"]))
+    assert [s for s, r in history.items() if "my/eval" in r] == [4]
+    assert [s for s, r in history.items() if "my/final" in r] == [8]
     rows = _precprof_rows(history)
-    assert sorted(rows) == list(range(7)) and 0 < sum(seen["skipped"][:7]) < 7
+    assert sorted(rows) == list(range(9)) and 0 < sum(seen["skipped"]) < 9
     for s, row in rows.items():
         assert row["precprof/loss"] == pytest.approx(seen["loss"][s], rel=1e-6), s
         assert (row["precprof/loss_scale"], row["precprof/skipped"]) == (seen["scale"][s], seen["skipped"][s])
@@ -506,36 +520,71 @@ def test_a_loop_that_logs_to_wandb_without_a_step_gets_every_row(
     assert [rows[s]["precprof/skipped"] for s in range(6)] == seen["skipped"]
 
 
+class _Run:
+    """A stand-in for a wandb run at step 100, which drops rows below its step; ``hooks``: with wandb's list of
+    teardown hooks (``on_finish``), else as a wandb without one."""
+
+    def __init__(self, hooks: bool) -> None:
+        self.step = 100
+        self.logged: list[tuple[int, int]] = []
+        if hooks:
+            self._teardown_hooks: list[Any] = []
+
+    def define_metric(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def log(self, data: dict[str, Any], step: int) -> None:
+        assert step >= self.step
+        self.step = step
+        self.logged.append((step, data["precprof/step"]))
+
+
 @pytest.mark.skipif(wandb is None, reason="wandb is not installed (pip install wandb)")
 def test_rows_waiting_for_wandb_steps_are_bounded_and_said(monkeypatch: pytest.MonkeyPatch) -> None:
     """A loop whose wandb step stays ahead of precprof's and moves on more slowly (``step=`` tokens seen, logged
     every few steps) would keep precprof's rows waiting without end: the oldest beyond the bound are dropped,
-    and named with those still waiting at close."""
+    and named at the next close, each run of steps as a range (the list had built up across detaches and its
+    one range hid the gap: "6 steps (5..15)"). A wandb with no hook on its run's finish gets the rows still
+    waiting at the close, past its step (they were dropped too)."""
     from precprof.export import wandb as wb
 
-    class Run:  # wandb at step 100, which drops rows below its step
-        def __init__(self) -> None:
-            self.step = 100
-            self.logged: list[tuple[int, int]] = []
-
-        def define_metric(self, *args: Any, **kwargs: Any) -> None:
-            pass
-
-        def log(self, data: dict[str, Any], step: int) -> None:
-            assert step >= self.step
-            self.step = step
-            self.logged.append((step, data["precprof/step"]))
-
     monkeypatch.setattr(wb, "MAX_WAITING", 3)
-    run = Run()
+    run = _Run(hooks=False)
     sink = wb.WandbSink(run)
     sink.write([ev.Scalar("precprof/loss", s, 1.0) for s in range(6)])
     assert run.logged == [(100, 0)]  # one row a wandb step: the others wait, the oldest two beyond 3 dropped
     run.step = 101
     sink.tick()
     assert run.logged == [(100, 0), (101, 3)]
-    with pytest.warns(RuntimeWarning, match=r"wandb has no row of 4 steps \(1\.\.5\)"):
+    sink.write([ev.Scalar("precprof/loss", s, 1.0) for s in range(6, 10)])  # 4..9 wait: 4, 5, 6 dropped
+    with pytest.warns(
+        RuntimeWarning, match=r"wandb has no row of 5 steps \(1\.\.2, 4\.\.6\): .*BesideTrainer"
+    ):
         sink.close()
+    assert run.logged == [(100, 0), (101, 3), (102, 7), (103, 8), (104, 9)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sink.close()  # said once
+
+
+@pytest.mark.skipif(wandb is None, reason="wandb is not installed (pip install wandb)")
+def test_rows_waiting_at_a_close_go_when_the_wandb_run_finishes() -> None:
+    """The rows still waiting when the Profiler closes (a detach) keep waiting: the loop may log again, and a
+    row logged past wandb's step would make wandb drop the loop's next ``wandb.log(step=...)``. The run's
+    finish (wandb's hook) logs them past its step, once."""
+    from precprof.export import wandb as wb
+
+    run = _Run(hooks=True)
+    sink = wb.WandbSink(run)
+    sink.write([ev.Scalar("precprof/loss", s, 1.0) for s in range(3)])
+    sink.close()
+    assert run.logged == [(100, 0)] and len(run._teardown_hooks) == 1
+    run.step = 105  # the loop's own log after the close
+    for hook in run._teardown_hooks:
+        hook.call()
+    assert run.logged == [(100, 0), (105, 1), (106, 2)]
+    sink._at_exit()  # nothing left for the process's exit
+    assert len(run.logged) == 3
 
 
 def test_a_step_without_a_loss_logs_no_loss() -> None:

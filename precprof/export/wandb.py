@@ -6,6 +6,7 @@ Scalars are logged under their tags; exponent histograms as ``wandb.Histogram`` 
 
 from __future__ import annotations
 
+import atexit
 import warnings
 from collections import deque
 from collections.abc import Iterable
@@ -60,7 +61,14 @@ class WandbSink:
     ahead of the rows of unsampled steps, copied at the next sampled step. Such a row waits and goes to the
     step wandb is at (beside the loop's own values there), one row a wandb step: a second row would overwrite
     the first's values, and a row logged past wandb's step would make wandb drop the loop's next
-    ``wandb.log(step=...)`` below it. ``tick`` (each Profiler step) places the next waiting row."""
+    ``wandb.log(step=...)`` below it. ``tick`` (each Profiler step) places the next waiting row.
+
+    The loop is over when its wandb run finishes: the rows still waiting then (those of the last host copies,
+    of a Profiler detached and not attached again) go past the loop's last step, just before the run's last
+    records (``wandb.finish()``, the run's ``with`` block, or the process's exit): none is dropped, and none
+    moves wandb's step while the loop may still log. A detach (around an evaluation) keeps them waiting: they
+    go on after the next attach, with no gap. Where this wandb has no hook on its run's finish, they are logged
+    at the Profiler's close instead."""
 
     def __init__(self, target: Any, option: str = "wandb=...", finish: bool = False) -> None:
         self._wandb = wandb_module(option)
@@ -76,7 +84,10 @@ class WandbSink:
         self._finish = finish
         self._waiting: deque[tuple[int, dict[str, Any]]] = deque()  # rows not logged yet, oldest first
         self._last = -1  # the wandb step precprof's latest row went to
-        self._dropped: list[int] = []  # precprof steps never logged (too many waiting rows, or left at close)
+        self._dropped: list[int] = []  # precprof steps never logged (too many waiting rows), not said yet
+        self._hooked: Any = None  # the run whose finish logs the rows still waiting (``_log_at_finish``)
+        self._no_hook = False  # this wandb has no hook on a run's finish: the rows still waiting go at close
+        self._exit_handler = False  # whether ``_at_exit`` is registered
         self._named: set[str] = set()  # the keys given a define_metric of their own (``_name_keys``)
         self._logged = False  # whether a step reached the run: a run gone since then was finished
 
@@ -110,6 +121,8 @@ class WandbSink:
             else:
                 self._waiting.append((step, data))
         self._place(run)
+        if self._waiting:
+            self._log_at_finish(run)
         while len(self._waiting) > MAX_WAITING:  # the loop moves wandb's step on more slowly than precprof's
             self._dropped.append(self._waiting.popleft()[0])
 
@@ -148,35 +161,103 @@ class WandbSink:
             for key in keys:
                 run.define_metric(key, step_metric=STEP_TAG)
 
-    def _place(self, run: Any) -> None:
+    def _place(self, run: Any, past: bool = False) -> None:
         """Log the waiting rows, oldest first: each at its own step where neither wandb nor an earlier row has
-        passed it, else at the step wandb is at, if no row went there yet; the others wait."""
+        passed it, else at the step wandb is at, if no row went there yet; the others wait. ``past``: the loop
+        is over, every row goes, each at the next step past wandb's."""
         at = run.step
         at = at if isinstance(at, int) else -1  # not an int: a stand-in for a run, which drops nothing
         while self._waiting:
             step, data = self._waiting[0]
             to = max(step, self._last + 1, at)
-            if to != step and to > at:
+            if to != step and to > at and not past:
                 return
             run.log(data, step=to)
             self._waiting.popleft()
             self._last, at, self._logged = to, max(at, to), True
 
+    def _log_at_finish(self, run: Any) -> None:
+        """Have the rows still waiting when ``run`` finishes logged then (once a run): by wandb's own hook on its
+        run's finish, and at the process's exit for a run never finished (wandb's service finishes it then,
+        after Python's exit handlers, precprof's among them)."""
+        if self._hooked is run or self._no_hook:
+            return
+        if not on_finish(run, self._at_finish):
+            self._no_hook = True
+            return
+        self._hooked = run
+        if not self._exit_handler:
+            atexit.register(self._at_exit)
+            self._exit_handler = True
+
+    def _at_finish(self) -> None:
+        """wandb finishes the run (its hook, before the run's last records): the loop is over."""
+        run, self._hooked = self._hooked, None
+        if self._waiting and run is not None:
+            try:
+                self._place(run, past=True)
+            except Exception as e:  # wandb.finish() must go on
+                warnings.warn(
+                    f"precprof: could not log its last wandb rows: {type(e).__name__}: {e}", stacklevel=2
+                )
+
+    def _at_exit(self) -> None:
+        """The process exits: rows still waiting for a run not finished yet go now."""
+        if self._waiting and self._hooked is not None and not getattr(self._hooked, "_is_finished", False):
+            self._at_finish()
+
     def close(self) -> None:
+        """A detach: rows still waiting keep waiting for the loop's next wandb steps (after the next attach) or for
+        the run's finish (see the class); only a wandb with no hook on its run's finish gets them now, past its
+        step. The steps dropped since the last close (``MAX_WAITING``) are named in a warning."""
         if self._waiting:
-            self._place(self._open_run())
-        self._dropped += [step for step, _ in self._waiting]
-        self._waiting.clear()
+            run = self._open_run()
+            self._place(run)
+            if self._waiting and self._hooked is not run:  # no hook on this run's finish: now, past its step
+                self._place(run, past=True)
         if self._dropped:
-            first, last = self._dropped[0], self._dropped[-1]
-            which = f"step {first}" if first == last else f"{len(self._dropped)} steps ({first}..{last})"
             warnings.warn(
-                f"precprof: wandb has no row of {which}: the loop's own wandb.log had moved wandb's step past "
-                "them, and a row logged past it would make wandb drop the loop's next wandb.log(step=...) below "
-                "it. The run directory keeps every step (precprof export RUN_DIR --wandb-project P logs the "
-                "whole run)",
+                f"precprof: wandb has no row of {_steps(self._dropped)}: the loop's own wandb.log had moved "
+                f"wandb's step past them while more than {MAX_WAITING} rows waited for wandb steps of their own "
+                "(its wandb.log(step=...) moves wandb's step on more slowly than precprof's steps). The run "
+                "directory keeps every step (precprof export RUN_DIR --wandb-project P logs the whole run); a "
+                "loop that logs without step= gets every row at once with "
+                "Profiler(wandb=precprof.export.wandb.BesideTrainer(True))",
                 RuntimeWarning,
                 stacklevel=2,
             )
+            self._dropped = []
         if self._finish:
+            if self._waiting:
+                self._place(self.run, past=True)
             self.run.finish()
+
+
+def on_finish(run: Any, call: Any) -> bool:
+    """Have wandb call ``call`` when ``run`` finishes, before its last records (while it still logs): True, or
+    False where this wandb has no such hook. wandb has no public one: this is its own list of teardown hooks
+    (``Run._teardown_hooks``, stage EARLY, the one its Jupyter support uses; wandb 0.31), checked for."""
+    hooks = getattr(run, "_teardown_hooks", None)
+    if not isinstance(hooks, list):
+        return False
+    try:
+        from wandb.sdk.wandb_run import TeardownHook, TeardownStage
+    except ImportError:
+        return False
+    hooks.append(TeardownHook(call, TeardownStage.EARLY))
+    return True
+
+
+def _steps(steps: list[int]) -> str:
+    """``steps`` (ascending) in words, each run of consecutive steps as a range: "step 4", "5 steps (5..7,
+    13..14)"."""
+    if len(steps) == 1:
+        return f"step {steps[0]}"
+    runs: list[list[int]] = []
+    for s in steps:
+        if runs and s == runs[-1][1] + 1:
+            runs[-1][1] = s
+        else:
+            runs.append([s, s])
+    spans = ", ".join(f"{a}..{b}" if a != b else f"{a}" for a, b in runs)
+    return f"{len(steps)} steps ({spans})"
