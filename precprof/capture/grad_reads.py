@@ -196,6 +196,7 @@ class GradientReads:
             grads()
         if self.updates is not None:
             self.updates.before_step(k, optimizer)
+            self.updates.carry.before(optimizer)
         return wrapped
 
     def _unread_grads(self, optimizer: Any) -> None:
@@ -250,6 +251,8 @@ class GradientReads:
         self._keep_given(optimizer)
         if self.updates is not None and self.updates.after_step(k, optimizer):
             self.has_data = True
+        if self.updates is not None:
+            self.updates.carry.after(optimizer)
         return None
 
     def _keep_given(self, optimizer: Any) -> None:

@@ -15,6 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from precprof import _compat
+from precprof.capture.update_carry import CarryProbe
+from precprof.capture.update_carry import describe as describe_carries
 from precprof.taxonomy import BLOCK_MODULE_TYPES, BLOCK_WEIGHT_TYPES, FP8_MODULE_TYPES, FP8_WEIGHT_TYPES
 
 _ROUNDING_READ_MAX = 1 << 26  # elements: a larger 16-bit buffer is listed without reading its values
@@ -442,7 +444,7 @@ def optimizer_class(optimizers: Sequence[Any]) -> str | None:
 
 
 def optimizer_settings(
-    optimizers: list[Any], params: Sequence[Any] = (), scaled: bool = False
+    optimizers: list[Any], params: Sequence[Any] = (), scaled: bool = False, carry: CarryProbe | None = None
 ) -> dict[str, Any] | None:
     """What the advisor reads of the optimizers: their classes ("Muon + AdamW"), and over the parameter groups
     of the Adams among them (of all of them when none is an Adam) the smallest ``eps`` and the largest
@@ -451,7 +453,10 @@ def optimizer_settings(
     rather than read from the device. Beside an optimizer that is no Adam, ``adam_modules`` names the captured
     modules (``params``: the plan's parameter slots) whose parameters an Adam holds, so that a finding about
     Adam speaks of its parameters only. With several optimizers under a loss scaler (``scaled``), ``each`` holds each
-    one's class and modules, in the list's order (the steps table's ``skipped_optimizers`` names them by place). None without an optimizer."""
+    one's class and modules, in the list's order (the steps table's ``skipped_optimizers`` names them by place).
+    ``carries``: the optimizers that may carry the remainder of an update their weight could not take, with what
+    says so (``update_carry.describe``; ``carry``: what the update sample's probe measured), where one does.
+    None without an optimizer."""
     if not optimizers:
         return None
     adams = [o for o in optimizers if "Adam" in type(o).__name__]
@@ -466,6 +471,9 @@ def optimizer_settings(
         "eps": float(min(eps)) if eps else None,
         "beta2": float(max(beta2)) if beta2 else None,
     }
+    carries = describe_carries(optimizers, carry)
+    if carries:
+        out["carries"] = carries
     if adams and len(adams) < len(optimizers):
         held = {id(p) for o in adams for g in o.param_groups for p in g["params"]}
         out["adam_class"] = " + ".join(dict.fromkeys(type(o).__name__ for o in adams))

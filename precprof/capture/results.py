@@ -244,9 +244,7 @@ class ProfilerResults:
                 )
         skipped_updates = self._updates.skipped if self._updates is not None else {}
         for (module, param), (count, why) in skipped_updates.items():
-            out.append(
-                {"module": module, "tensor": T.WEIGHT_UPDATE, "param": param, "count": count, "reason": why}
-            )
+            out.append(dict(module=module, tensor=T.WEIGHT_UPDATE, param=param, count=count, reason=why))
         return out
 
     def summary(self) -> dict[str, Any]:
@@ -335,6 +333,7 @@ class ProfilerResults:
                 self.optimizers,
                 self._plan.params if self._plan is not None else (),
                 self._scaler_watch is not None,
+                self._updates.carry if self._updates is not None else None,
             ),
             # a new optimizer followed from a step on (``use_optimizer``): {"step", "from", "to"}, in order
             "optimizer_changes": [dict(c) for c in self._optimizer_changes],

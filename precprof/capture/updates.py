@@ -36,7 +36,7 @@ import torch
 
 from precprof import _compat
 from precprof import tables as T
-from precprof.capture import update_sizes, update_steps
+from precprof.capture import update_carry, update_sizes, update_steps
 from precprof.capture.records import _local, _ParamSlot, sample_stride
 from precprof.capture.storage import dtype_name
 from precprof.stats import engine as _engine
@@ -363,6 +363,7 @@ class UpdateSampler:
         self._counted = False  # an optimizer's step of this sampled step has added to the counts
         # (module, param) -> [sampled optimizer steps whose update of it was not sampled, why]: over the run
         self.skipped: dict[tuple[str, str], list[Any]] = {}
+        self.carry = update_carry.CarryProbe()  # whether the optimizers carry what a weight could not take
         self._track(tracked, owners)
 
     @classmethod

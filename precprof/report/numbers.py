@@ -180,6 +180,8 @@ LABELS: dict[Any, tuple[str, str] | None] = {
     "lost_in_fp32": ("of those, lost in the run's fp32 weights already", "count"),
     "share": ("share", "share"),
     ("bf16_lost_updates", "share"): ("share of updates lost (each parameter at its size)", "share"),
+    "waiting": ("updates that did not move their weight on their step (carried to a later one)", "count"),
+    "carried_share": ("share of updates carried to a later step (each parameter at its size)", "share"),
     ("fp16_lost_updates", "share"): ("share of updates lost (each parameter at its size)", "share"),
     ("fp32_lost_updates", "share"): ("share of updates lost (each parameter at its size)", "share"),
     ("fp32_lost_updates", "ratio_median"): ("median update-to-weight ratio over the layers", "number"),

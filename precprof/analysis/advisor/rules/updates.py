@@ -6,7 +6,7 @@ import pandas as pd
 
 from precprof import formats
 from precprof import tables as T
-from precprof.analysis import lost_updates, update_ratio
+from precprof.analysis import carried_updates, lost_updates, update_ratio
 from precprof.analysis.advisor.evidence import (
     _dtype_has,
     _innermost,
@@ -77,7 +77,7 @@ def _worst(run: _Run, by_share: pd.Series, above: float, limit: int) -> list[str
 
 
 def _sampled_words(
-    run: _Run, rows: pd.DataFrame, lost: float, nz: float, weights: pd.Series
+    run: _Run, rows: pd.DataFrame, lost: float, nz: float, weights: pd.Series, verb: str = "are lost"
 ) -> tuple[str, str, dict[str, float]]:
     """Where the update sample left elements of some parameter out: the message's words on the share being an
     estimate, the method's on how (with the sample's own counts), and their numbers; "" where every element of
@@ -99,7 +99,7 @@ def _sampled_words(
         "element stands for its parameter's elements over its sampled ones, so that each parameter counts at its "
         "size. An intended update is a sampled element with a nonzero gradient or a moved weight, of the weights "
         "whose gradient on that step was not zero everywhere (a weight moved by weight decay or momentum alone is "
-        f"counted apart). The sampled elements counted alike: {int(lost):,} of the {int(nz):,} are lost "
+        f"counted apart). The sampled elements counted alike: {int(lost):,} of the {int(nz):,} {verb} "
         f"({_pct(raw)}).",
         {
             "sampled_share": float(raw) if raw is not None else float("nan"),
@@ -326,6 +326,11 @@ def _rule_lost_updates(run: _Run, plan: _Plan) -> None:
             continue  # fp16 master weights are rare; only worth a line when they lose updates
         else:
             severity = INFO
+        # an optimizer that carries what a step could not add (Kahan summation, stochastic rounding) loses none
+        carry = carried_updates.carriers(run.summary.get(T.SUMMARY_CAPTURE) or {}, held or "")
+        if is_pure and carry.all_carried:
+            _add_carried(run, plan, fmt, rows, held_rows, weights, (lost, nz, share), carry, since)
+            continue
         if fmt == "bf16" and severity == CRITICAL:
             plan.bf16_held_lost = (few, share)
         plan.add(
@@ -373,6 +378,7 @@ def _rule_lost_updates(run: _Run, plan: _Plan) -> None:
                     else ""
                 )
                 + ". Mixed Precision Training (2018) keeps an fp32 master copy for this reason."
+                + (_carry_caveat(carry) if is_pure else "")
                 + fp32_words
                 + nonfinite_words
                 + idle_words
@@ -404,6 +410,93 @@ def _rule_lost_updates(run: _Run, plan: _Plan) -> None:
                 method=sampled_method,
             )
         )
+
+
+def _carry_caveat(carry: carried_updates.Carriers) -> str:
+    """Where some of the optimizers holding the weights carry what a step could not add and others do not, or one
+    keeps a state that may (an unknown entry of each weight's shape, not measured): the sentences that say so; ""
+    else."""
+    said = ""
+    if carry.carried:
+        said += (
+            " Of the optimizers holding these weights, "
+            + "; ".join(f"{cls} {how}" for cls, how in carry.carried)
+            + f" (its updates are carried, not lost); {', '.join(dict.fromkeys(carry.plain))} does not, and the "
+            "share counts both."
+        )
+    for cls, key, measured in carry.suspects:
+        said += (
+            f" {cls} keeps a per-parameter state of each weight's shape that is none of torch's optimizer moments "
+            f"('{key}'): if it holds the remainder of each update (Kahan summation), these updates are carried to "
+            f"later steps, not lost; precprof could not measure it ({measured})."
+        )
+    return said
+
+
+def _add_carried(
+    run: _Run,
+    plan: _Plan,
+    fmt: str,
+    rows: pd.DataFrame,
+    held_rows: pd.DataFrame,
+    weights: pd.Series,
+    counts: tuple[float, float, float],
+    carry: carried_updates.Carriers,
+    since: int | None,
+) -> None:
+    """``{fmt}_updates_carried``: a run that holds its weights in ``fmt`` with optimizers that all carry what a step
+    could not add (``carried_updates``): the share of intended updates that did not move their weight on their step
+    is said, as waiting, not lost, with how each optimizer carries them; no fp32 master weights to add."""
+    cfg = run.cfg
+    lost, nz, share = counts
+    sampled_words, sampled_method, sampled_nums = _sampled_words(
+        run, rows, lost, nz, weights, verb="did not move their weight on their step"
+    )
+    nonfinite_words, nonfinite_nums = _nonfinite_words(held_rows, run)
+    by_share = _by_module(rows, rows[T.LOST_UPDATE_BF16 if fmt == "bf16" else T.LOST_UPDATE_FP16], weights)
+    worst = _worst(run, by_share, cfg.lost_update_warn, cfg.max_listed_modules)
+    classes = ", ".join(dict.fromkeys(cls for cls, _ in carry.carried))
+    held = formats.get(fmt).dtype_name
+    plan.add(
+        Finding(
+            f"{fmt}_updates_carried",
+            INFO,
+            f"{_pct(share)} of weight updates did not move their {fmt} weight on their step ({classes} carries "
+            "them)",
+            (
+                f"On sampled steps, an estimated {_pct(share)} of the intended weight-update elements (a nonzero "
+                f"gradient or a moved weight) left their {fmt} weight unchanged on their step{sampled_words}"
+                if sampled_words
+                else f"On sampled steps, {int(lost):,} of {int(nz):,} intended weight-update elements "
+                f"({_pct(share)}; a nonzero gradient or a moved weight) left their {fmt} weight unchanged on their "
+                "step"
+            )
+            + f": the update is smaller than half a {fmt} ulp of the weight (relative resolution "
+            f"{'2^-8' if fmt == 'bf16' else '2^-11'}) and this run holds its weights in {fmt}"
+            + _since_words(held_rows, since, fmt, held)
+            + (
+                "; worst: " + ", ".join(f"{_name(m)} {_pct(float(by_share[m]))}" for m in worst)
+                if worst
+                else ""
+            )
+            + ". They are not lost: "
+            + "; ".join(f"{cls} {how}" for cls, how in carry.carried)
+            + ". The share counts the steps on which an update did not move its weight, not updates lost."
+            + nonfinite_words,
+            f"None needed for these updates: {classes} carries them to later steps (fp32 master weights would land "
+            "each one on its own step).",
+            modules=worst,
+            numbers={
+                "waiting": int(lost),
+                "nonzero_updates": int(nz),
+                "carried_share": share,
+                **sampled_nums,
+                **nonfinite_nums,
+                **({"held_from_step": since} if since is not None else {}),
+            },
+            method=sampled_method,
+        )
+    )
 
 
 def _rule_fp32_lost_updates(run: _Run, plan: _Plan) -> None:
