@@ -187,3 +187,14 @@ def test_torchaos_stochastic_rounding_carries_the_updates_and_an_unmeasured_stat
         in lost.message
     )
     assert "('comp')" in lost.message and "no sampled step read it" in lost.message
+
+
+@pytest.mark.parametrize("sgd", [True, False])
+def test_fp32_lost_updates_names_adams_yardstick_only_for_an_adam(sgd: bool) -> None:
+    """An fp32 run whose updates do not land: the update-to-weight ratio's yardstick, "about 1e-3 is usual for
+    Adam-like optimizers", only where the run trains with an Adam (an SGD run had it, tester h101 item 2)."""
+    run, _ = lost_updates.run_layers(torch.float32, lr=1e-2 if sgd else 1e-9, sgd=sgd, clip=1e-6, steps=3)
+    stuck = run.recommend().finding("fp32_lost_updates")
+    assert stuck is not None
+    assert f"has a median of {stuck.numbers['ratio_median']:.2g} over the layers" in stuck.message
+    assert ("Adam-like" in stuck.message) is not sgd

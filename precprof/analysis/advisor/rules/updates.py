@@ -499,6 +499,15 @@ def _add_carried(
     )
 
 
+def _adam_like(run: _Run) -> bool:
+    """Whether the run's optimizers are Adams (the capture summary's optimizer class: "AdamW", "Muon + AdamW" counts
+    only where every one is)."""
+    capture = run.summary.get(T.SUMMARY_CAPTURE) or {}
+    settings = capture.get("optimizer") if isinstance(capture, dict) else None
+    cls = settings.get("class") if isinstance(settings, dict) else None
+    return isinstance(cls, str) and all("Adam" in part for part in cls.split(" + "))
+
+
 def _rule_fp32_lost_updates(run: _Run, plan: _Plan) -> None:
     """Intended updates that did not land in weights the run holds in fp32 (``lost_update_held`` of the float32
     rows: measured, where ``bf16_lost_updates`` of these weights is a what-if): updates below half an fp32 ulp
@@ -535,8 +544,9 @@ def _rule_fp32_lost_updates(run: _Run, plan: _Plan) -> None:
                 else ""
             )
             + (
-                f". The update-to-weight ratio ||dw|| / ||w|| has a median of {median:.2g} over the layers, where "
-                "about 1e-3 is usual for Adam-like optimizers."
+                f". The update-to-weight ratio ||dw|| / ||w|| has a median of {median:.2g} over the layers"
+                # Adam's yardstick, for a run that trains with an Adam (an SGD run's ratio follows its learning rate)
+                + (", where about 1e-3 is usual for Adam-like optimizers." if _adam_like(run) else ".")
                 if median is not None
                 else "."
             ),
