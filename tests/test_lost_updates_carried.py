@@ -147,6 +147,17 @@ def test_a_kahan_compensated_bf16_run_carries_its_updates_and_plain_adamw_loses_
     for text in (carried.title, carried.message, carried.remedy):
         assert "vanish" not in text and "Keep fp32 master weights" not in text
     assert not any("master weights" in r for r in found.reasons)
+    # the same measure under a name that says nothing of a remainder ('m2': a custom optimizer's first moment of
+    # tiny gradients passes it too) keeps the critical finding, with a caveat naming it
+    carries[0]["state_keys"] = ["m2", "m", "v"]
+    carries[0]["measured"]["m2"] = carries[0]["measured"].pop("comp")
+    found = kahan.recommend()
+    lost = found.finding("bf16_lost_updates")
+    assert lost is not None and lost.severity == "critical" and found.finding("bf16_updates_carried") is None
+    assert (
+        "KahanAdamW keeps a per-parameter state 'm2' that behaves as the remainder of each update would"
+        in (lost.message)
+    )
     _, _, _, alone = _train(lambda ps: KahanAdamW(ps, lr=1e-5), profile=False)
     assert all(
         torch.equal(a, b)

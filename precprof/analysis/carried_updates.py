@@ -7,7 +7,8 @@ stochastic rounding lands it in expectation).
 How precprof knows, per optimizer: torchao's ``bf16_stochastic_round`` setting (bf16 weights only, as torchao
 applies it), or a state entry beyond torch's moments measured to hold what a remainder is: on sampled steps, a
 signed value within half an ulp of its weight in the weight's dtype in all but ``BOUNDED_SHARE`` of its sampled
-elements, of both signs, and changed where the weight did not move. An unknown entry that was not measured (no
+elements, of both signs, and changed where the weight did not move, and named as a compensation buffer is
+(``REMAINDER_NAMES``; one that is not is said as a caveat). An unknown entry that was not measured (no
 sampled step read it) is a suspicion only: said as a caveat, naming its key; one measured that does not pass is
 no remainder (a moment of the optimizer's own: never negative, or beyond half an ulp of the weight).
 
@@ -24,17 +25,24 @@ BOUNDED_SHARE = 0.999  # a remainder is always within half an ulp (an fp32 buffe
 SIGNED_SHARE = 0.05  # each sign's least share of the nonzero elements (a second moment is never negative)
 MIN_ELEMENTS = 256  # sampled reads of an entry, over the run, before its measure counts
 STOCHASTIC_ROUND = "bf16_stochastic_round"
+# what a compensation buffer is named (optimi's "kahan_comp", "comp", "compensation", "carry", "remainder",
+# "residual", "error"): an entry measured as a remainder that is named none of them leaves the finding as it is,
+# with a caveat naming it: the measure alone does not tell it from a custom optimizer's first moment ("m") of
+# gradients far below half an ulp of their weights, which passes it too
+REMAINDER_NAMES = ("comp", "kahan", "carry", "remainder", "residual", "error")
 
 
 @dataclass
 class Carriers:
     """Of the optimizers holding weights of one dtype: ``carried``, (class, how it carries, in words) of each one
     that does; ``plain``, the classes of those that do not; ``suspects``, (class, key, why it was not measured) of
-    the unknown entries that may be a remainder, unmeasured."""
+    the unknown entries that may be a remainder, unmeasured; ``lookalikes``, (class, key, what was measured) of the
+    entries measured as a remainder whose name does not say they are one (``REMAINDER_NAMES``)."""
 
     carried: list[tuple[str, str]] = field(default_factory=list)
     plain: list[str] = field(default_factory=list)
     suspects: list[tuple[str, str, str]] = field(default_factory=list)
+    lookalikes: list[tuple[str, str, str]] = field(default_factory=list)
 
     @property
     def all_carried(self) -> bool:
@@ -85,9 +93,12 @@ def carriers(capture: Mapping[str, Any], dtype: str) -> Carriers:
                 "expectation over the steps"
             )
         keys = [str(k) for k in entry.get("state_keys") or []]
+        lookalikes = []
         for key in keys:
             said = _remainder(measured.get(key) or {}) if how is None else None
-            if said is not None:
+            if said is not None and not any(name in key.lower() for name in REMAINDER_NAMES):
+                lookalikes.append((cls, key, said))
+            elif said is not None:
                 how = (
                     f"keeps the remainder of each update in its state '{key}' and adds it to the next one (Kahan "
                     f"summation), which lands once the sum reaches the weight's resolution: {said}"
@@ -96,6 +107,7 @@ def carriers(capture: Mapping[str, Any], dtype: str) -> Carriers:
             out.carried.append((cls, how))
             continue
         out.plain.append(cls)
+        out.lookalikes.extend(lookalikes)
         out.suspects.extend(
             (cls, key, why) for key in keys if (why := _unmeasured(measured.get(key))) is not None
         )

@@ -13,11 +13,10 @@ What tells such an optimizer, recorded in the capture summary's ``optimizer.carr
   (``TORCH_STATE_KEYS``), by key: a Kahan compensation buffer is one (named as its author likes: ``comp``,
   ``kahan_comp``, ``compensation``);
 - measured (``CarryProbe``), for such an entry: on sampled steps, a strided sample of the weight and of the entry
-  read before and after the optimizer step (in its hooks, which precprof installs on sampled steps only). Where
-  the weight moved, a compensation buffer gives up what moved it: the entry moves the other way by about as much
-  (``taken_back``: ``|d_state + d_weight| <= |d_weight| / 2``); where the weight did not move, the entry changed
-  (``held_changed``: it kept the update). A moment (an unknown optimizer's own ``m`` or ``v``) moves with the
-  gradient, not against the weight's steps. Counted on the device, read when the summary is made.
+  read before and after the optimizer step (in its hooks, which precprof installs on sampled steps only): how many
+  of the entry's elements are within half an ulp of their weight in the weight's dtype (a remainder always is), of
+  each sign, and, where the weight did not move, whether the entry changed (it kept the update). Counted on the
+  device, read when the summary is made; ``analysis/carried_updates.py`` judges the counts.
 
 Which entries an optimizer keeps is read once per optimizer (its first step with a state), on the host.
 """

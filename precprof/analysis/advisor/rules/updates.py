@@ -430,6 +430,14 @@ def _carry_caveat(carry: carried_updates.Carriers) -> str:
             f"('{key}'): if it holds the remainder of each update (Kahan summation), these updates are carried to "
             f"later steps, not lost; precprof could not measure it ({measured})."
         )
+    for cls, key, measured in carry.lookalikes:
+        said += (
+            f" {cls} keeps a per-parameter state '{key}' that behaves as the remainder of each update would (Kahan "
+            f"summation: {measured}): if it is one, these updates are carried to later steps, not lost; its name "
+            "does not say so, and an optimizer's first moment of gradients far below half an ulp of their weights "
+            "behaves so too (a name with 'comp', 'kahan', 'carry', 'remainder', 'residual' or 'error' tells "
+            "precprof it is a remainder)."
+        )
     return said
 
 
