@@ -89,9 +89,8 @@ class Replanning:
         if updates is not None and self._updates is not None:  # the updates not sampled, counted over the run
             for key, (count, why) in updates.skipped.items():
                 self._updates.skipped.setdefault(key, [0, why])[0] += count
-            self._updates.carry = (
-                updates.carry
-            )  # (what it found and measured of the optimizers, over the run)
+            # what it found and measured of the optimizers, over the run
+            self._updates.carry = updates.carry
         now = dict(new.param_names)
         added = [n for k, n in now.items() if k not in names]
         removed = [n for k, n in names.items() if k not in now]
