@@ -308,6 +308,47 @@ def wrapper_scaler(*given: Any) -> tuple[Any, str | None]:
     return None, None
 
 
+def _held_precision(wrapper: Any) -> tuple[str, str, str] | None:
+    """The precision setting a framework's wrapper holds: (framework, setting, where). accelerate's
+    AcceleratedOptimizer in its ``accelerator_state.mixed_precision`` ("no", "fp16", "bf16", "fp8"), Fabric's
+    _FabricModule and _FabricOptimizer in their strategy's precision plugin's ``precision`` ("bf16-mixed",
+    "32-true", ...). Read from the wrapper's own ``__dict__``, as ``_held_scaler`` reads; None where it holds
+    none, or reading it failed (accelerate's state reset since)."""
+    own = getattr(wrapper, "__dict__", {})
+    for framework, holder, attr, where in (
+        ("accelerate", own.get("accelerator_state"), "mixed_precision", "accelerator_state.mixed_precision"),
+        (
+            "Fabric",
+            getattr(own.get("_strategy"), "precision", None),
+            "precision",
+            "_strategy.precision.precision",
+        ),
+    ):
+        if holder is None:
+            continue
+        try:
+            value = getattr(holder, attr, None)
+        except Exception:  # a property of a state torn down: nothing said
+            continue
+        value = getattr(value, "value", value)  # an enum's value (accelerate's PrecisionType)
+        if isinstance(value, str) and value:
+            return framework, value, where
+    return None
+
+
+def wrapper_precision(*given: Any) -> tuple[str, str, str] | None:
+    """The precision the wrapper of a given model or optimizer was set to train in, as (framework, its setting,
+    where it was read: "AcceleratedOptimizer.accelerator_state.mixed_precision"), the first found in the order
+    ``wrapper_scaler`` looks; None where no wrapper says one."""
+    for obj in given:
+        for wrapper in _wrappers(obj):
+            held = _held_precision(wrapper)
+            if held is not None:
+                framework, value, where = held
+                return framework, value, f"{type(wrapper).__name__}.{where}"
+    return None
+
+
 def drops(module: Any) -> bool:
     """Whether ``module`` is one of torch's dropout modules (``nn.Dropout``, ``Dropout1d/2d/3d``,
     ``AlphaDropout``, ...: their private base ``_DropoutNd``) with a drop probability above 0."""

@@ -307,6 +307,26 @@ def fp8_eligible_names(model: nn.Module, tokens: int | None = None) -> list[str]
 
 
 # ---------------------------------------------------------------------------------- mixed precision active
+# The precision settings of the frameworks -> precprof's modes (precprof.modes.Precision, and fp64): Lightning's
+# and Fabric's ``precision=``, the Lightning callback's and a Fabric loop's (``Profiler`` given ``fabric.setup``'s)
+LIGHTNING_PRECISIONS: dict[str, str] = {
+    "32-true": "fp32",
+    "32": "fp32",
+    "64-true": "fp64",
+    "16-mixed": "fp16",
+    "bf16-mixed": "bf16",
+    "16-true": "fp16-pure",
+    "bf16-true": "bf16-pure",
+    "transformer-engine": "fp8",
+    "transformer-engine-float16": "fp8",
+}
+# accelerate's ``mixed_precision=`` (an ``Accelerator``'s, or ``accelerate launch``'s), an accelerate loop's
+ACCELERATE_PRECISIONS: dict[str, str] = {"no": "fp32", "fp16": "fp16", "bf16": "bf16", "fp8": "fp8"}
+FRAMEWORK_PRECISIONS: dict[str, dict[str, str]] = {
+    "Fabric": LIGHTNING_PRECISIONS,
+    "accelerate": ACCELERATE_PRECISIONS,
+}
+
 LOW_PRECISION_DTYPE = {"fp16": "float16", "bf16": "bfloat16", "fp8": "bfloat16"}  # what autocast computes in
 
 

@@ -8,6 +8,8 @@ path (fp16 autocast and a GradScaler) with a CPU GradScaler, the way a user's GP
 
 from __future__ import annotations
 
+import html
+import re
 from pathlib import Path
 from typing import Any
 
@@ -16,10 +18,13 @@ import torch
 from torch import nn
 
 import precprof
+from precprof import runfiles
 from precprof import tables as T
 from precprof.analysis import advisor
 from precprof.analysis.advisor import AdvisorConfig
+from precprof.capture import given
 from precprof.compare import compare_runs
+from precprof.report import summarize as S
 
 pytest.importorskip("lightning")
 
@@ -179,6 +184,9 @@ def test_accelerate_scaler_not_given_is_found_on_its_optimizer(tmp_path: Path) -
     assert prof.summary()["scaler_from"] == "AcceleratedOptimizer.scaler"
     page = prof.report(tmp_path / "run").read_text()
     assert "found in AcceleratedOptimizer.scaler (not given to the Profiler)" in page
+    assert verification_line(page).startswith(
+        'Asked for fp16 (accelerate\'s mixed_precision="fp16"). Mixed precision is active'
+    )
 
 
 def bf16_run(out: Path, fabric: Fabric | None, **prof_kwargs: Any) -> precprof.Profiler:
@@ -252,3 +260,71 @@ def test_fabric_scaler_is_found_on_its_module(tmp_path: Path) -> None:
     assert steps["skipped"].astype(bool).tolist() == truth.skipped
     assert steps["loss_scale"].astype(float).tolist() == truth.scales
     assert prof.summary()["scaler_from"] == "_FabricModule._strategy.precision.scaler"
+
+
+def verification_line(page: str) -> str:
+    """The report's precision verification line, as text."""
+    start = page.index('<p class="verdict-line')
+    return html.unescape(re.sub(r"<[^>]+>", "", page[start : page.index("</p>", start)]))
+
+
+def test_accelerate_fp16_ignored_on_cpu_is_said(tmp_path: Path) -> None:
+    """``Accelerator(mixed_precision="fp16")`` on a CPU trains in fp32 without a word from accelerate. Given what
+    ``accelerator.prepare`` returned, the Profiler recorded no request: no finding, and the page said "Seen: fp32
+    (what the run trained in; nothing asked for a precision)". The request is read off the AcceleratedOptimizer
+    now, as the HF Trainer callback records ``fp16=True``: the finding says fp16 is not active, and so does
+    the page's verification (its line, "Asked for fp16 (accelerate's ...)", in the test above)."""
+    accelerate = pytest.importorskip("accelerate")
+    acc = accelerate.Accelerator(mixed_precision="fp16", cpu=True)
+    raw = mlp()
+    model, opt = acc.prepare(raw, torch.optim.AdamW(raw.parameters(), lr=1e-2))
+    assert acc.scaler is None and not acc.native_amp  # accelerate's CPU path: fp32
+    with precprof.Profiler(model, optimizer=opt, sample_every=1, memory=False) as prof:
+        for step in range(2):
+            x, y = data(step)
+            out = model(x)
+            acc.backward(nn.functional.mse_loss(out, y))
+            opt.step()
+            opt.zero_grad()
+            prof.step()
+    assert out.dtype == torch.float32
+    capture = prof.summary()
+    assert capture["precision_seen"] == "fp32"
+    assert capture["mixed_precision_requested"] == "fp16"
+    assert capture["mixed_precision_from"] == "AcceleratedOptimizer.accelerator_state.mixed_precision"
+    prof.save(tmp_path / "run")
+    summary = runfiles.read_summary(tmp_path / "run")
+    inactive = [f for f in summary["recommendation"]["findings"] if f["code"] == "mixed_precision_inactive"]
+    assert inactive and inactive[0]["title"] == "fp16 was requested but is not active"
+    assert 'The run asked for fp16 (accelerate\'s mixed_precision="fp16")' in inactive[0]["message"]
+    tables = prof.tables()
+    check = S.precision_check(tables["layers"], tables["memory"], summary)  # the page's verification line
+    assert check["asked"] and not check["ok"] and check["requested"] == "fp16"
+    assert check["asked_as"] == 'accelerate\'s mixed_precision="fp16"'
+    assert check["verdict"].startswith("Mixed precision was asked for (fp16) but is NOT active")
+
+
+def test_fabric_precision_is_the_runs_request(tmp_path: Path) -> None:
+    """Fabric's precision plugin says what the run asked for (the Profiler already read its GradScaler there):
+    the page said "nothing asked for a precision" of ``Fabric(precision="bf16-mixed")``. A full-precision setting
+    (Fabric's default) asks for nothing: a loop of its own may turn autocast on itself."""
+    prof = bf16_run(tmp_path / "run", Fabric(accelerator="cpu", devices=1, precision="bf16-mixed"))
+    summary = runfiles.read_summary(tmp_path / "run")
+    assert summary["capture"]["mixed_precision_requested"] == "bf16"
+    assert summary["capture"]["mixed_precision_from"] == "_FabricModule._strategy.precision.precision"
+    tables = prof.tables()
+    check = S.precision_check(tables["layers"], tables["memory"], summary)
+    assert check["asked"] and check["ok"] and check["requested"] == "bf16"
+    assert check["asked_as"] == 'Fabric\'s precision="bf16-mixed"'
+    assert not [f for f in summary["recommendation"]["findings"] if f["code"].startswith("mixed_precision")]
+    with pytest.warns(UserWarning, match="AMP with fp16 is not supported on CPU"):
+        cpu16 = Fabric(accelerator="cpu", devices=1, precision="16-mixed")  # Lightning's bf16-mixed on a CPU
+    for precision, fabric, asked in (
+        ("16-mixed", cpu16, "bf16"),
+        ("16-mixed plugin", fabric_fp16(high_scaler()), "fp16"),
+        ("32-true", Fabric(accelerator="cpu", devices=1, precision="32-true"), None),
+    ):
+        raw = mlp()
+        model, opt = fabric.setup(raw, torch.optim.AdamW(raw.parameters()))
+        said = given.asked_precision(model, None), given.asked_precision(raw, opt)
+        assert [s.get("mixed_precision_requested") for s in said] == [asked, asked], precision

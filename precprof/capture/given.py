@@ -7,7 +7,7 @@ from typing import Any
 
 from torch import nn
 
-from precprof import _compat
+from precprof import _compat, taxonomy
 
 NOT_HELD = (
     "precprof: the optimizer given to the Profiler holds none of the model's parameters, so no weight update is "
@@ -24,6 +24,14 @@ def checked_model(model: Any) -> nn.Module:
     return model
 
 
+def from_wrappers(scaler: Any, loss_scale: Any, model: Any, optimizer: Any) -> tuple[Any, dict[str, Any]]:
+    """``Profiler(scaler=...)``, or the GradScaler of the framework wrapping the model or optimizer
+    (``given_scaler``), and what the summary's ``capture`` says of the wrappers: ``scaler_from`` (where that
+    scaler was found) and the precision a wrapper asked for (``asked_precision``)."""
+    scaler, scaler_from = given_scaler(scaler, loss_scale, model, optimizer)
+    return scaler, {"scaler_from": scaler_from, **asked_precision(model, optimizer)}
+
+
 def given_scaler(scaler: Any, loss_scale: Any, model: Any, optimizer: Any) -> tuple[Any, str | None]:
     """``Profiler(scaler=...)``; where neither it nor a manual ``loss_scale`` is given, the GradScaler that the
     framework wrapping the model or optimizer scales the loss with (Fabric's and accelerate's fp16 do), and where
@@ -32,6 +40,34 @@ def given_scaler(scaler: Any, loss_scale: Any, model: Any, optimizer: Any) -> tu
         return scaler, None
     given = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
     return _compat.wrapper_scaler(model, *given)
+
+
+# the modes a wrapper's request is recorded for: those whose matmuls compute in 16 bits, which the run's layers
+# confirm or not (a full-precision setting is the frameworks' default, no request: a loop of its own under it may
+# turn autocast on itself; an FP8 one runs layers the report's FP8 check may not know, Transformer Engine's)
+_ASKED_MODES = frozenset({"fp16", "bf16", "fp16-pure", "bf16-pure"})
+
+
+def asked_precision(model: Any, optimizer: Any) -> dict[str, str]:
+    """The 16-bit precision the framework wrapping the model or optimizer was asked to train in, for the
+    summary's ``capture``: ``mixed_precision_requested`` (precprof's mode, "fp16"), ``mixed_precision_asked_as``
+    (the framework's words: accelerate's mixed_precision="fp16") and ``mixed_precision_from`` (where it was read).
+    What the integrations record of a Trainer's request, for a loop of the user's own: accelerate ignores fp16 on
+    a CPU without a word, and the run trains in fp32. {} where no wrapper asks for one."""
+    given = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    found = _compat.wrapper_precision(model, *given)
+    if found is None:
+        return {}
+    framework, setting, where = found
+    mode = taxonomy.FRAMEWORK_PRECISIONS.get(framework, {}).get(setting, "")
+    if mode not in _ASKED_MODES:
+        return {}
+    key = "mixed_precision" if framework == "accelerate" else "precision"
+    return {
+        "mixed_precision_requested": mode,
+        "mixed_precision_asked_as": f'{framework}\'s {key}="{setting}"',
+        "mixed_precision_from": where,
+    }
 
 
 def given_optimizers(optimizer: Any) -> list[Any]:

@@ -187,7 +187,7 @@ class Profiler(PartsAssembly, ProfilerResults, OptimizerSwitch):
         # several optimizers (Muon for the matrices and AdamW for the rest, say): each samples its own parameters
         self.optimizers = given.given_optimizers(optimizer)
         self.optimizer = self.optimizers[0] if self.optimizers else None
-        self.scaler, self.scaler_from = given.given_scaler(scaler, loss_scale, model, optimizer)
+        self.scaler, self.wrappers_said = given.from_wrappers(scaler, loss_scale, model, optimizer)
         # a manual static loss scale ((loss * s).backward(), gradients / s): read at s, tables unscaled by it
         self.loss_scale = float(loss_scale) if loss_scale is not None else None
         self.sample_every = sample_every

@@ -51,7 +51,7 @@ class ProfilerResults:
 
     model: nn.Module
     scaler: Any
-    scaler_from: str | None
+    wrappers_said: dict[str, Any]  # the capture's words of the framework's wrappers (``given.from_wrappers``)
     optimizer: Any
     optimizers: list[Any]
     sample_every: int | None
@@ -315,7 +315,7 @@ class ProfilerResults:
             "scaler": type(self.scaler).__name__ if self.scaler is not None else None,
             "scaler_enabled": bool(_scaler_enabled(self.scaler)) if self.scaler is not None else None,
             "scaler_growth_interval": _compat.scaler_growth_interval(self.scaler),
-            "scaler_from": self.scaler_from,  # a GradScaler not given, found on a wrapper: where
+            **self.wrappers_said,  # scaler_from (a GradScaler not given, found on a wrapper: where), its request
             "compiled": compiled_parts(self.model),
             "loop_stance": self._stance.summary(),  # a stance the loop set itself
             "loop_order": self._loop.summary(),  # prof.step() misplaced, an optimizer not followed (loop_order.py)

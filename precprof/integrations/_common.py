@@ -27,19 +27,7 @@ from precprof.capture import Profiler
 from precprof.capture.model_facts import model_info as model_info  # (its home before)
 from precprof.capture.reducer import RankReducer, is_distributed
 from precprof.hardware import software_versions
-
-# Precision names of the frameworks -> precprof's modes (precprof.training.Precision).
-LIGHTNING_PRECISIONS: dict[str, str] = {
-    "32-true": "fp32",
-    "32": "fp32",
-    "64-true": "fp64",
-    "16-mixed": "fp16",
-    "bf16-mixed": "bf16",
-    "16-true": "fp16-pure",
-    "bf16-true": "bf16-pure",
-    "transformer-engine": "fp8",
-    "transformer-engine-float16": "fp8",
-}
+from precprof.taxonomy import LIGHTNING_PRECISIONS as LIGHTNING_PRECISIONS  # (its home before)
 
 
 class Session:

@@ -46,7 +46,7 @@ _CAPTURE_SAID = _keys(
     "static_loss_scale low_precision_buffers fp8_recipe block_recipe bias_dropped fp8_whatif_recipe sampling memory_steps memory_enabled grad_norm_type shared_params shared_outside "
     "gemm_inputs model_inputs modules_without_forward optimizer optimizer_changes updates_from model_changes "
     "distributed eval_forwards_ignored checkpointed_forwards weight_grads_unread_steps weight_grads_unread_modules "
-    "self_call_forwards_unread scaler_from output_head"
+    "self_call_forwards_unread scaler_from output_head mixed_precision_asked_as"
 )
 _HARDWARE_SAID = _keys(
     "device name compute_capability bf16_supported bf16_native fp16_tensor_cores tf32_supported "

@@ -482,7 +482,8 @@ def precision_from_layers(summary: Mapping[str, Any]) -> bool:
 
 def asked_as(summary: Mapping[str, Any]) -> str:
     """How the run's framework asked for its precision, where its words are not precprof's: Lightning's
-    ``precision="bf16-true"`` (precprof's bf16-pure), the HF Trainer's ``bf16=True``; "" otherwise."""
+    ``precision="bf16-true"`` (precprof's bf16-pure), the HF Trainer's ``bf16=True``, the framework wrapping a loop
+    of the user's own (``_wrapper_asked``: accelerate's ``mixed_precision="fp16"``); "" otherwise."""
     cfg = summary.get(T.SUMMARY_CONFIG) or {}
     lightning = cfg.get("lightning_precision")
     if lightning and str(lightning) != _asked_precision(summary):
@@ -490,7 +491,8 @@ def asked_as(summary: Mapping[str, Any]) -> str:
     if cfg.get("source") == T.SOURCE_TRANSFORMERS:
         flags = [f"{k}=True" for k in ("bf16", "fp16") if cfg.get(k) is True]
         return f"TrainingArguments({', '.join(flags)})" if flags else ""
-    return ""
+    capture = summary.get(T.SUMMARY_CAPTURE) or {}
+    return str(capture.get("mixed_precision_asked_as") or "") if _wrapper_asked(summary) else ""
 
 
 def _asked_precision(summary: Mapping[str, Any]) -> str:
@@ -503,6 +505,22 @@ def _asked_precision(summary: Mapping[str, Any]) -> str:
     return ""
 
 
+def _wrapper_asked(summary: Mapping[str, Any]) -> str:
+    """The precision mode the framework wrapping a loop of the user's own was set to, where no configuration asks
+    one: ``capture.mixed_precision_requested`` with the framework's words (``mixed_precision_asked_as``:
+    accelerate's ``mixed_precision="fp16"``, Fabric's ``precision="bf16-mixed"``); "" otherwise. The verification
+    holds the run to it (accelerate trains its fp16 in fp32 on a CPU); what the page calls the run's precision
+    elsewhere stays the one it trained in."""
+    capture = summary.get(T.SUMMARY_CAPTURE) or {}
+    if (
+        _asked_precision(summary)
+        or not isinstance(capture, Mapping)
+        or not capture.get("mixed_precision_asked_as")
+    ):
+        return ""
+    return str(capture.get("mixed_precision_requested") or "")
+
+
 def precision_check(layers: pd.DataFrame, memory: pd.DataFrame, summary: Mapping[str, Any]) -> dict[str, Any]:
     """What the tensors really were: dtype census per kind, optimizer state dtypes, and whether mixed precision
     is active (some activation of a module with parameters is in a 16- or 8-bit format).
@@ -510,13 +528,15 @@ def precision_check(layers: pd.DataFrame, memory: pd.DataFrame, summary: Mapping
     For an fp8 run it also confirms that FP8 GEMMs ran (``taxonomy.fp8_linear_layers``), for an MX run
     ("mxfp8": torchao's MX layers, whose outputs keep their input's dtype) that its MX GEMMs did.
 
-    Returns {"requested", "asked": bool (whether a configuration asked for ``requested``; the user's own loop asks
-    nothing, and its ``requested`` is the precision the profiler saw it train in), "asked_as" (``asked_as``),
+    Returns {"requested", "asked": bool (whether a configuration asked for ``requested``, or the framework wrapping
+    the user's own loop, ``_wrapper_asked``; a loop of its own asks nothing otherwise, and its ``requested`` is the
+    precision the profiler saw it train in), "asked_as" (``asked_as``),
     "rows": [{"what", "census"}],
     "active": bool, "verdict": str, "ok": bool, "banner": str (the banner's headline when not ok, "" for the usual
     one)}.
     """
-    requested = requested_precision(summary)
+    asked = _asked_precision(summary) or _wrapper_asked(summary)
+    requested = asked or requested_precision(summary)
     # "mxfp8" holds "fp8", and asks nothing of the activations' dtypes; nor does torchao's NVFP4Linear's "nvfp4"
     mx = requested.startswith(("mx", "nvfp4"))
     fp8_layers, n_linear = (
@@ -556,7 +576,7 @@ def precision_check(layers: pd.DataFrame, memory: pd.DataFrame, summary: Mapping
     active = not low.empty
     # a loop of its own that ran torchao's FP8 layers without autocast asked nothing of the activations: their FP8
     # GEMMs ran, their outputs keep their input's float32 (the built-in loop's fp8 asks for bf16 autocast too)
-    fp8_alone = bool(fp8_layers) and not _asked_precision(summary)
+    fp8_alone = bool(fp8_layers) and not asked
     wants_low = not mx and not fp8_alone and any(t in requested for t in ("bf16", "fp16", "fp8"))
     if acts.empty:
         verdict, ok = "No activations of modules with parameters were recorded.", True
@@ -568,7 +588,7 @@ def precision_check(layers: pd.DataFrame, memory: pd.DataFrame, summary: Mapping
         on = isinstance(autocast, Mapping) and bool(autocast.get("enabled"))
         said = (
             f"was asked for ({requested})"
-            if _asked_precision(summary)
+            if asked
             else f"was seen ({requested}{': autocast was on in a recorded forward pass' if on else ''})"
         )
         verdict = (
@@ -596,7 +616,7 @@ def precision_check(layers: pd.DataFrame, memory: pd.DataFrame, summary: Mapping
         verdict = _mx_verdict(verdict, *mx_layers, summary)
     return {
         "requested": requested,
-        "asked": bool(_asked_precision(summary)),
+        "asked": bool(asked),
         "asked_as": asked_as(summary),
         "rows": census_rows,
         "active": active,

@@ -18,6 +18,14 @@ def _rule_mixed_precision_active(run: _Run, plan: _Plan) -> None:
     capture = run.summary.get(T.SUMMARY_CAPTURE) or {}
     implied = ""
     if (
+        requested
+        and not run.precision
+        and isinstance(capture, Mapping)
+        and capture.get("mixed_precision_asked_as")
+    ):
+        # the user's own loop, wrapped by a framework set to it (capture.given.asked_precision): in its words
+        implied = f" ({capture['mixed_precision_asked_as']})"
+    if (
         not requested
         and isinstance(capture, Mapping)
         and capture.get("scaler")
