@@ -44,7 +44,7 @@ def test_a_linear_whose_input_overflowed_in_the_cast_is_not_said_to_overflow_ins
     assert f.title == "Activations overflow fp16 in 1 module(s)" and f.numbers["modules"] == 1
     assert f.message.startswith("1 layer(s) read an input beyond fp16's 65504 (")
     assert (
-        f"fc1:input: max |x| {max(float(x.abs().max()) for x in xs):.3g}, {over} values over 65504"
+        f"fc1:input: max |x| {max(float(x.abs().max()) for x in xs):.3g}, {over} values an fp16 cast makes inf"
         in f.message
     )
     assert f"fc1: {inf:,} inf in fp16 from its input, which overflowed fp16 (fc1:input)" in f.message
@@ -78,7 +78,7 @@ def test_a_layer_kept_in_fp32_that_fp16_still_needs_there_stays_in_the_keep_list
     f = rec.finding("fp16_kept_fp32")
     assert f is not None and f.severity == "info" and f.modules == ["fc1", "head"]
     assert (
-        f"fc1: {over} values over 65504 in fc1:input, fc1 (max |x| {max(float(x.abs().max()) for x in xs):.3g})"
+        f"fc1: {over} values an fp16 cast makes inf in fc1:input, fc1 (max |x| {max(float(x.abs().max()) for x in xs):.3g})"
         in (f.message)
     )
     assert "Keep fc1 in fp32 as this run already does (outside autocast)" in " ".join(rec.reasons)
@@ -286,8 +286,8 @@ def test_a_dropout_that_passes_an_overflow_on_is_kept_through_the_layer_that_fee
     assert f.numbers["overflow_values"] == own and f.numbers["passed_on_modules"] == 1
     assert f"({own} values in fp32/bf16 tensors would become inf)" in f.message
     assert (
-        f"{own} values over 65504 (drop, after it, passes them on, scaled up by a dropout's 1/(1-p): "
-        f"{passed} over 65504 there, not counted again)" in f.message
+        f"{own} values an fp16 cast makes inf (drop, after it, passes them on, scaled up by a dropout's 1/(1-p): "
+        f"{passed} an fp16 cast makes inf there, not counted again)" in f.message
     )
     # the dropout kept in fp32 alone: its input was inf already
     _, seen_drop = _dropout_run("fp16", ["drop"])

@@ -1140,6 +1140,9 @@ def test_rerender_recomputes_for_a_target(tmp_path: Path) -> None:
     header = planned.read_text().split("<main>")[0]
     assert "recorded on " in header and "verdict planned for v100" in header
     assert "verdict planned for" not in own.decode().split("<main>")[0]
+    # the tab of each page tells the targets apart
+    assert re.search(r"<title>precprof report · [^<]* · for v100</title>", header)
+    assert " · for " not in own.decode().split("</title>")[0]
     with pytest.raises(UserError, match="unknown hardware target"):
         pipeline.rerender(tmp_path, target="abacus")
     with pytest.raises(UserError, match="not a precprof run directory"):

@@ -82,8 +82,8 @@ def _load(
 ) -> tuple[Mapping[str, pd.DataFrame], dict[str, Any]]:
     if isinstance(source, (str, Path)):
         path = Path(source)
-        if not path.is_dir():
-            raise FileNotFoundError(f"run directory {str(path)!r} does not exist")
+        if why := T.not_a_run_dir(path):  # (a folder of no run was planned for as a run that sampled nothing)
+            raise FileNotFoundError(why)
         tables = T.read_run(path, categorical=True).tables
         # a run killed before it saved names no precision in its first summary: its layers' dtypes do
         return tables, taxonomy.with_precision_seen(
@@ -107,6 +107,11 @@ def _hardware(hardware: str | HardwareInfo | None, summary: Mapping[str, Any]) -
         return hardware, hardware.preset is not None
     if isinstance(hardware, str):
         return hw_mod.preset(hardware), True
+    if hardware is not None:  # (planned for the recording machine, as if none was given)
+        raise TypeError(
+            f"hardware= takes a preset name ({', '.join(hw_mod.PRESET_NAMES)}), a HardwareInfo or None (the "
+            f"machine the run was recorded on), not {type(hardware).__name__} {hardware!r}"
+        )
     recorded = summary.get(T.SUMMARY_HARDWARE)
     if isinstance(recorded, Mapping) and recorded.get("device"):
         return HardwareInfo.from_dict(dict(recorded)), False

@@ -344,7 +344,7 @@ def _add_overflow_finding(
             )
         return (
             f"{_name(m)}: max |x| {_g(per_mod.loc[m, 'absmax'])}, "
-            f"{int(per_mod.loc[m, 'overflow']):,} values over 65504"
+            f"{int(per_mod.loc[m, 'overflow']):,} values an fp16 cast makes inf"
             + (f", {inf}" if m in observed else "")
             + _copies_said(per_mod, m, [c for c, p in copies.items() if p == m])
         )
@@ -394,7 +394,7 @@ def _add_overflow_finding(
 
 
 def _copies_said(per_mod: pd.DataFrame, m: str, copies: list[str]) -> str:
-    """The element-wise modules that pass on the values of ``m``, in words, with the values over 65504 each
+    """The element-wise modules that pass on the values of ``m``, in words, with the values an fp16 cast makes inf each
     holds, not counted again ("" for none); more than ``m`` holds are its values scaled up (a dropout's
     1/(1-p))."""
     if not copies:
@@ -405,7 +405,7 @@ def _copies_said(per_mod: pd.DataFrame, m: str, copies: list[str]) -> str:
     return (
         f" ({_listing(copies, 4)}, after it, {'passes' if one else 'pass'} them on"
         + (", scaled up by a dropout's 1/(1-p)" if scaled else "")
-        + f": {', '.join(f'{n:,}' for n in over)} over 65504 there, not counted again)"
+        + f": {', '.join(f'{n:,}' for n in over)} an fp16 cast makes inf there, not counted again)"
     )
 
 

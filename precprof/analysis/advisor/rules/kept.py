@@ -83,7 +83,7 @@ def _judge(run: _Run, layer: str, rows: pd.DataFrame, input_known: bool) -> tupl
     flushed = _cast_flush(rows, layer, [m for m in set(rows[T.MODULE]) if m != layer])
     which = _listing(run.sort(set(rows[T.MODULE])), 4)
     if over:
-        return True, f"{_name(layer)}: {over:,} values over 65504 in {which} (max |x| {_g(amax)})"
+        return True, f"{_name(layer)}: {over:,} values an fp16 cast makes inf in {which} (max |x| {_g(amax)})"
     if amax >= limit:
         return (
             True,

@@ -1,0 +1,37 @@
+"""``precprof.recommend()`` given what is no run, or a target it cannot plan for: one clear error, never a verdict
+(a folder holding no run's files was planned for as a run that sampled nothing, "fp16 with scale 65536" on a V100;
+``hardware=70`` planned for the recording machine)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+import precprof
+from precprof import tables as T
+
+
+def test_a_folder_of_no_run_is_refused_as_precprof_report_refuses_it(tmp_path: Path) -> None:
+    (tmp_path / "x.txt").write_text("not a run")
+    for target in (None, "v100", "h100"):
+        with pytest.raises(FileNotFoundError) as e:
+            precprof.recommend(tmp_path, hardware=target)
+        assert str(e.value) == T.not_a_run_dir(tmp_path) and "not a precprof run directory" in str(e.value)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        precprof.recommend(tmp_path / "gone")
+    with pytest.raises(FileNotFoundError, match="is a file"):
+        precprof.recommend(tmp_path / "x.txt")
+
+
+def test_a_target_that_is_no_preset_name_or_hardwareinfo_is_refused() -> None:
+    tables = {name: T.empty(name) for name in T.TABLES}
+    assert isinstance(tables["layers"], pd.DataFrame)
+    with pytest.raises(
+        TypeError, match=r"hardware= takes a preset name \(.*h100.*\), a HardwareInfo or None"
+    ):
+        precprof.recommend(tables, hardware=70)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="unknown hardware target 'h1000'"):
+        precprof.recommend(tables, hardware="h1000")
+    assert precprof.recommend(tables, hardware="v100").format == "fp16"
