@@ -497,6 +497,66 @@ def test_an_expert_no_token_reached_is_named_with_its_cause() -> None:
     assert f.remedy.startswith("Balance the router's load")
 
 
+class _Segments(nn.Module):
+    """Token embeddings plus a segment embedding with padding_idx=0 that is fed only 0, the padding id (reviewer
+    h100): torch passes that row no gradient, so seg never learns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok, self.seg = nn.Embedding(32, 8), nn.Embedding(4, 8, padding_idx=0)
+        self.head = nn.Linear(8, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.tok(x) + self.seg(torch.zeros_like(x)))
+
+
+@pytest.mark.parametrize("padding_row", [0.0, 0.5])
+def test_an_embedding_fed_only_its_padding_idx_is_named_as_such(padding_row: float) -> None:
+    """seg's weight gradient is zero on every step while its output gradient is not. The finding said 'the output
+    gradient and the input of seg held nonzero values' and blamed a custom backward or a hook, and its remedy
+    spoke of ReLUs and masks: the input is integer ids, which the run never records. The capture records the
+    embedding's padding_idx; with the padding row of zeros torch gives it, seg's output is zero everywhere and the
+    finding says it looked up only its padding_idx. With a padding row set to 0.5 its output tells nothing, and
+    the finding says only what the run records: no claim about the input."""
+    torch.manual_seed(0)
+    model = _Segments()
+    with torch.no_grad():
+        model.seg.weight[0].fill_(padding_row)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    prof = precprof.Profiler(model, optimizer=opt, sample_every=1, memory=False)
+    with prof:
+        for _ in range(3):
+            x = torch.randint(0, 32, (4, 8))
+            loss = nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten())
+            loss.backward()
+            assert model.seg.weight.grad is not None and not bool(model.seg.weight.grad.any())
+            opt.step()
+            opt.zero_grad()
+            prof.step(loss=loss.detach())
+    entry = next(e for e in prof.summary()["modules"] if e["name"] == "seg")
+    assert entry["padding_idx"] == 0
+    f = precprof.recommend(prof, hardware="h100", config=ALL).finding("no_gradient")
+    assert f is not None and f.severity == "critical" and f.modules == ["seg"]
+    assert "the input of seg held nonzero values" not in f.message
+    if padding_row == 0.0:
+        assert (
+            "The embedding seg (padding_idx=0) looked up only its padding_idx: its output was zero everywhere on "
+            "every sampled step" in f.message
+        )
+        assert "torch passes the padding_idx row no gradient by construction" in f.message
+        assert (
+            f.remedy.startswith("Feed seg the ids meant for it (its padding_idx row")
+            and "ReLU" not in f.remedy
+        )
+    else:
+        assert "padding_idx=0" not in f.message
+        assert (
+            "The output gradient of seg held nonzero values, and the run does not record its input (an "
+            "embedding's are integer ids)" in f.message
+        )
+        assert "ids that were all an embedding's padding_idx" in f.message
+
+
 @pytest.mark.parametrize("dead", [True, False])
 def test_the_verdict_box_says_when_layers_got_no_gradient(dead: bool, tmp_path: Path) -> None:
     """The verdict box read as a healthy run's beside weights that did not learn: it says how many layers got no

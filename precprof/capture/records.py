@@ -374,8 +374,8 @@ def autocast_state(device_type: str) -> dict[str, Any]:
 def module_entry(slot: _ModuleSlot) -> dict[str, Any]:
     """A captured module as summary.json's ``capture.modules`` lists it: its name, type and parameters' shapes,
     those of its parameters that do not train (``frozen``: requires_grad False when the summary is written; only
-    where some are), and the shapes of its calls where they were recorded (``call_shapes``, under its
-    ``calls_key``)."""
+    where some are), the shapes of its calls where they were recorded (``call_shapes``, under its
+    ``calls_key``), and an embedding's ``padding_idx`` where it has one (torch passes that row no gradient)."""
     entry: dict[str, Any] = {
         "name": slot.name,
         "type": slot.module_type,
@@ -386,6 +386,9 @@ def module_entry(slot: _ModuleSlot) -> dict[str, Any]:
         entry["frozen"] = frozen
     if slot.call_shapes:
         entry[slot.call_shapes_key] = [list(c) for c in slot.call_shapes]
+    padding = getattr(slot.module, "padding_idx", None)
+    if isinstance(slot.module, (nn.Embedding, nn.EmbeddingBag)) and isinstance(padding, int):
+        entry["padding_idx"] = padding
     return entry
 
 

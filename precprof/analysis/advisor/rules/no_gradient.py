@@ -20,7 +20,14 @@ import pandas as pd
 
 from precprof import formats, taxonomy
 from precprof import tables as T
-from precprof.analysis.advisor.evidence import _ancestors, _dtype_has, _innermost, _Plan, _Run
+from precprof.analysis.advisor.evidence import (
+    _ancestors,
+    _captured_modules,
+    _dtype_has,
+    _innermost,
+    _Plan,
+    _Run,
+)
 from precprof.analysis.advisor.model import CRITICAL, WARNING, Finding
 from precprof.analysis.advisor.rules.fp8 import gemm_inputs
 from precprof.analysis.advisor.text import _listing, _name
@@ -145,17 +152,33 @@ def _stop(m: str, seq: list[str], grads: pd.DataFrame) -> str | None:
     return next((s for s in after if grads.at[s, "nonzero"] > 0), None)
 
 
-def _zero_inputs(run: _Run, layers: list[str], dims: dict[str, dict[str, int]]) -> dict[str, list[str]]:
+def _zero_inputs(
+    run: _Run, layers: list[str], dims: dict[str, dict[str, int]]
+) -> tuple[dict[str, list[str]], set[str]]:
     """The layers among ``layers`` whose input was zero everywhere on every sampled step, with the modules whose
-    output it was (the capture's ``gemm_inputs``, or the layer's own input row)."""
+    output it was (the capture's ``gemm_inputs``, or the layer's own input row); and those of ``layers`` whose
+    input the run recorded at all (an embedding's, integer ids, it never does)."""
     acts = run.kind(T.ACTIVATION)
     per = acts.groupby(T.texts(acts[T.MODULE]).astype(object))[[T.NUMEL, T.ZEROS]].sum()
     out: dict[str, list[str]] = {}
+    recorded: set[str] = set()
     for m, sources in gemm_inputs(run, layers, dims).items():
         read = [s for s in sources if s in per.index]
+        if read:
+            recorded.add(m)
         if read and all(0 < per.at[s, T.NUMEL] <= per.at[s, T.ZEROS] for s in read):
             out[m] = read
-    return out
+    return out, recorded
+
+
+def _padding_indices(run: _Run) -> dict[str, int]:
+    """Per embedding of the run that has a ``padding_idx`` (summary capture.modules; a run recorded before the
+    capture recorded it has none), that index: torch passes its row no gradient."""
+    return {
+        m: int(e["padding_idx"])
+        for m, e in _captured_modules(run).items()
+        if isinstance(e.get("padding_idx"), int) and not isinstance(e.get("padding_idx"), bool)
+    }
 
 
 def _fp16_only(run: _Run) -> set[str]:
@@ -171,6 +194,11 @@ def _dead_mask(run: _Run, m: str) -> bool:
     was zero everywhere on every sampled step: every unit off, so it passed back nothing."""
     if not taxonomy.writes_backward_zeros(run.types.get(m, "")):
         return False
+    return _zero_output(run, m)
+
+
+def _zero_output(run: _Run, m: str) -> bool:
+    """Whether ``m``'s output was zero everywhere on every sampled step."""
     acts = run.kind(T.ACTIVATION)
     mine = acts[T.texts(acts[T.MODULE]) == m]
     return not mine.empty and 0 < float(mine[T.NUMEL].sum()) <= float(mine[T.ZEROS].sum())
@@ -279,6 +307,11 @@ class _Causes:
     unreached: list[str]  # no later module received a nonzero gradient
     no_tokens: list[str]  # called with no token on every sampled step (an expert the router sent none to)
     unknown: list[str]  # their output gradient and input both held nonzero values
+    # their output gradient held nonzero values, and the run does not record their input (an embedding's ids)
+    unread: list[str] = field(default_factory=list)
+    # embeddings that looked up only their padding_idx (their output zero everywhere, their output gradient not)
+    # -> that index
+    padding: dict[str, int] = field(default_factory=dict)
     # a gate's full parameter name -> the module holding it
     gates: dict[str, str] = field(default_factory=dict)
 
@@ -286,7 +319,8 @@ class _Causes:
 def _causes(run: _Run, dead: list[str], dims: dict[str, dict[str, int]]) -> _Causes:
     grads = _output_grads(run)
     flushed = _fp8_flushed(run, grads)
-    inputs = _zero_inputs(run, dead, dims)
+    inputs, read = _zero_inputs(run, dead, dims)
+    padding = _padding_indices(run)
     in16 = _fp16_only(run)
     zeros = _zero_params(run)
     seq = run.sort(_innermost(str(x) for x in grads.index))
@@ -328,8 +362,12 @@ def _causes(run: _Run, dead: list[str], dims: dict[str, dict[str, int]]) -> _Cau
                 c.unreached.append(m)
         elif m in inputs:
             c.zero_input.setdefault(tuple(inputs[m]), []).append(m)
-        else:
+        elif m in padding and _zero_output(run, m):
+            c.padding[m] = padding[m]
+        elif m in read:
             c.unknown.append(m)
+        else:
+            c.unread.append(m)
     return c
 
 
@@ -463,10 +501,37 @@ def _causes_said(run: _Run, c: _Causes) -> list[str]:
             f"no token reached {_listing(c.no_tokens, lim)} on any sampled step (an expert the router sent none "
             "to), and a weight gradient sums over the tokens a layer read"
         )
+    if c.padding:
+        pads = run.sort(c.padding)
+        its = "their" if len(pads) > 1 else "its"
+        named = [f"{_name(m)} (padding_idx={c.padding[m]})" for m in pads]
+        said.append(
+            f"the embedding{'s' if len(pads) > 1 else ''} {_listing(named, lim)} looked up only {its} padding_idx: "
+            f"{its} output was zero everywhere on every sampled step (the padding row, zero as torch initialises "
+            f"it) while {its} output gradient held nonzero values, and torch passes the padding_idx row no "
+            "gradient by construction"
+        )
     if c.unknown:
         said.append(
             f"the output gradient and the input of {_listing(c.unknown, lim)} held nonzero values: what zeroed "
             "their weight gradients the run does not tell (a custom backward, a hook that zeroed them)"
+        )
+    if c.unread:
+        embeddings = [
+            m for m in c.unread if taxonomy.kind_of_type(run.types.get(m, "")) == taxonomy.EMBEDDING
+        ]
+        said.append(
+            f"the output gradient of {_listing(c.unread, lim)} held nonzero values, and the run does not record "
+            f"{'its' if len(c.unread) == 1 else 'their'} input"
+            + (" (an embedding's are integer ids)" if embeddings else "")
+            + ": what zeroed their weight gradients the run does not tell (a custom backward, a hook that zeroed "
+            "them"
+            + (
+                ", or ids that were all an embedding's padding_idx, whose row torch passes no gradient"
+                if embeddings
+                else ""
+            )
+            + ")"
         )
     return [s[0].upper() + s[1:] for s in said]
 
@@ -518,7 +583,15 @@ def _remedy(run: _Run, c: _Causes) -> str:
         )
     if c.no_tokens:
         parts.append("balance the router's load (an auxiliary load-balancing loss, a capacity factor)")
-    if c.stopped or c.zero_input or c.unreached or c.unknown:
+    if c.padding:
+        pads = run.sort(c.padding)
+        it, its = ("them", "their") if len(pads) > 1 else ("it", "its")
+        parts.append(
+            f"feed {_listing(pads, run.cfg.max_listed_modules)} the ids meant for {it} ({its} padding_idx row, the "
+            f"only one looked up, never trains), or remove or freeze {it} (requires_grad_(False)) if {it} is "
+            "meant to add nothing"
+        )
+    if c.stopped or c.zero_input or c.unreached or c.unknown or c.unread:
         parts.append(
             "find what zeroes the gradient between the loss and these layers (a ReLU whose units are all off: a "
             "lower learning rate, another initialisation or LeakyReLU; a mask, a gate or a loss weight at zero) "
