@@ -13,6 +13,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -316,7 +317,8 @@ def test_a_forward_that_fails_on_the_batch_is_refused_before_the_run_directory(
     """A forward that reads a dict batch (batch['input_ids']) fails on the token ids precprof train feeds it. The
     memory estimate ran it first and let it go: 40 lines of traceback through typer followed, after a run
     directory whose report showed a run that never took a step. It is one line before anything is written,
-    with the exception, the line of the user's file, and what the loop calls the model with and expects."""
+    with the exception, the line of the user's file, and what the loop calls the model with; not what the model
+    must return, which a failure inside its forward has nothing to do with (``test_the_output_contract_...``)."""
     f = tmp_path / "dict_model.py"
     f.write_text(DICT_MODEL)
     out = tmp_path / "run"
@@ -328,9 +330,9 @@ def test_a_forward_that_fails_on_the_batch_is_refused_before_the_run_directory(
         "raised IndexError: too many indices for tensor of dimension 2",
         f"(at {f}:{line}, in forward)",
         "model(x) with x the token ids in [0, 256), an int64 tensor (batch_size, seq_len), here (2, 8)",
-        "it must return logits (batch_size, seq_len, vocab_size), a scalar loss",
     ):
         assert needle in lines[0], (needle, lines[0])
+    assert "it must return logits" not in lines[0]  # raised inside the forward: nothing to do with its output
     assert "precprof.Profiler" not in lines[0]  # it has an embedding: a language model with a bug
     assert not out.exists()
 
@@ -435,6 +437,46 @@ def test_a_forward_that_fails_only_under_the_estimates_hooks_trains(tmp_path: Pa
     refuse[0] = True
     with pytest.raises(UserError, match="forward pass raised RuntimeError"):
         contract.check_forward(built, model, forward_loss, 1, 2, 8, 256)
+
+
+def test_the_output_contract_is_said_only_where_the_failure_is_not_raised_inside_the_forward() -> None:
+    """An fp16 LSTM that torch's oneDNN cannot run on the CPU (reviewer h100) was told "it must return logits
+    (batch_size, seq_len, vocab_size), a scalar loss, ...", which has nothing to do with an op failing inside
+    the forward and sent the user to look at the output. The hint stays where the failure is the contract's: the
+    call of the model itself, or reading what its forward returned."""
+    import torch
+    from torch import nn
+
+    from precprof.models import BuiltModel
+    from precprof.training import contract
+
+    model = nn.Sequential(nn.Embedding(256, 16), nn.Linear(17, 256))  # an op inside the forward fails
+    built = BuiltModel(model, "f.py:make", "factory", 256, None)
+    x = torch.zeros(2, 8, dtype=torch.long)
+
+    class Output:
+        @property
+        def logits(self) -> torch.Tensor:
+            raise ValueError("no logits")
+
+    def caught(run: Callable[[], object]) -> BaseException:
+        with pytest.raises(Exception) as info:
+            run()
+        return info.value
+
+    def read_output() -> object:
+        model[0](x)
+        return Output().logits  # reading what the forward returned fails
+
+    said = (
+        "; it must return logits (batch_size, seq_len, vocab_size), a scalar loss, or an output with .logits"
+    )
+    inside = caught(lambda: model(x))
+    assert contract.raised_in_forward(inside)
+    assert said not in str(contract.forward_failed(built, inside, (2, 8), 256))
+    for e in (caught(lambda: model(x, x)), caught(read_output)):  # the call itself; the output's reading
+        assert not contract.raised_in_forward(e)
+        assert said in str(contract.forward_failed(built, e, (2, 8), 256))
 
 
 def test_a_model_with_lazy_modules(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

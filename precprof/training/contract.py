@@ -12,6 +12,8 @@ run directory whose report showed a run that never took a step.
 
 from __future__ import annotations
 
+import inspect
+import traceback
 import warnings
 from collections.abc import Callable, Sequence
 
@@ -54,12 +56,29 @@ def check_forward(
         raise forward_failed(built, e, (batch_size, seq_len), vocab_size) from e
 
 
+_MODULE_FILE = inspect.getfile(
+    nn.Module
+)  # the file of torch's module call (``model(x)`` runs forward from there)
+
+
+def raised_in_forward(e: BaseException) -> bool:
+    """Whether ``e`` was raised inside the model's forward, by its own code or an op it called (torch's oneDNN has
+    no fp16 LSTM on the CPU), rather than at the call or in reading what the forward returned: its traceback goes
+    on past torch's module call into code that is not that call's."""
+    frames = traceback.extract_tb(e.__traceback__)
+    calls = [i for i, f in enumerate(frames) if f.filename == _MODULE_FILE]
+    return bool(calls) and any(f.filename != _MODULE_FILE for f in frames[calls[0] + 1 :])
+
+
 def forward_failed(
     built: BuiltModel, e: BaseException, shape: tuple[int, int], vocab_size: int
 ) -> ModelError:
     """The one-line error for a factory's model whose forward pass raised ``e`` on token ids of ``shape``: the
-    exception, the place in the user's files, and what precprof train calls and expects (README, "Your own
-    model"). A model with no embedding is most likely no language model: where else to profile it."""
+    exception, the place in the user's files, and what precprof train calls the model with; what it must return
+    (README, "Your own model") only where the failure was not raised inside the forward (``raised_in_forward``):
+    an op that fails there (an fp16 LSTM the CPU cannot run) has nothing to do with the output, which the hint
+    sent the user to look at. A model with no embedding is most likely no language model: where else to profile
+    it."""
     first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
     call = "model(x, targets=y)" if built.pass_targets else "model(x)"
     targets = ", y the next-token ids of the same shape" if built.pass_targets else ""
@@ -68,11 +87,16 @@ def forward_failed(
         if not any(isinstance(m, nn.Embedding) for m in built.module.modules())
         else ""
     )
+    output = (
+        ""
+        if raised_in_forward(e)
+        else "; it must return logits (batch_size, seq_len, vocab_size), a scalar loss, or an output with .logits "
+        "or .loss"
+    )
     return ModelError(
         f"{built.name}: the model's forward pass raised {type(e).__name__}: {first}{where_raised(e)}, before "
         f"training, on the batch precprof train feeds it: {call} with x the token ids in [0, {vocab_size}), an "
-        f"int64 tensor (batch_size, seq_len), here {shape}{targets}; it must return logits (batch_size, seq_len, "
-        f"vocab_size), a scalar loss, or an output with .logits or .loss{other}"
+        f"int64 tensor (batch_size, seq_len), here {shape}{targets}{output}{other}"
     )
 
 
