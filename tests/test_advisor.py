@@ -1881,10 +1881,60 @@ def test_tokens_per_call_without_a_sequence_length_are_measured() -> None:
     ]
     summ[T.SUMMARY_CAPTURE] = {"modules": modules}
     f = must(recommend(b.tables(), hardware="h100", summary=summ), "tensor_core_alignment")
-    assert f.numbers["tokens"] == 10 and "batch x sequence = 10" in f.message and f.modules == []
+    assert f.numbers["tokens"] == 10 and "batch x sequence = 10" in f.message
+    # the classifier's own GEMM runs on the batch's 2 rows, which its finding names (1.6% of the FLOPs)
+    assert f.modules == ["cls"] and "the GEMM rows of cls: 2 a call (the batch size)." in f.message
     # nothing to measure them from (no recorded shapes): no claim about them
     summ[T.SUMMARY_CAPTURE] = {}
     assert "tensor_core_alignment" not in codes(recommend(b.tables(), hardware="h100", summary=summ))
+
+
+def test_alignment_judges_the_rows_each_linear_layers_gemm_runs_on() -> None:
+    """A model that mean-pools its embedded 4 x 65 tokens: its linear layers run on the batch's 4 rows (as a
+    UNet's time MLP does). The finding said "batch x sequence = 260", which no GEMM of the model has, with the
+    remedy to change the batch size or the sequence length: a sequence of 64 made it go away while every layer
+    still ran on 4 rows (reviewer h100). It judges each linear layer's rows, names those on the batch size, and
+    says what sets them; a layer on batch x sequence is said as before, and one on rows that are a multiple of 8
+    is not named."""
+    modules = [
+        {"name": "emb", "type": "Embedding", "params": {"weight": [256, 64]}},
+        {"name": "fc1", "type": "Linear", "params": {"weight": [64, 64]}},
+        {"name": "fc2", "type": "Linear", "params": {"weight": [256, 64]}},
+    ]
+
+    def advice(seq: int, batch: int = 4, trunk: bool = False) -> Recommendation:
+        b = RunBuilder()
+        b.add(0, 0, "emb", "Embedding", T.ACTIVATION, torch.randn(batch * seq, 64))
+        if trunk:  # a linear layer on every token before the pooling
+            b.add(0, 1, "proj", "Linear", T.ACTIVATION, torch.randn(batch * seq, 64))
+        b.add(0, 2, "fc1", "Linear", T.ACTIVATION, torch.randn(batch, 64))
+        b.add(0, 3, "fc2", "Linear", T.ACTIVATION, torch.randn(batch, 256))
+        summ = summary_for(batch=batch, seq=seq)
+        proj = [{"name": "proj", "type": "Linear", "params": {"weight": [64, 64]}}] * trunk
+        summ[T.SUMMARY_CAPTURE] = {"modules": modules[:1] + proj + modules[1:]}
+        return recommend(b.tables(), hardware="h100", summary=summ)
+
+    f = must(advice(65), "tensor_core_alignment")
+    assert f.severity == "warning" and f.modules == ["fc1", "fc2"]
+    assert f.message.endswith(
+        "these are not: the GEMM rows of fc1, fc2: 4 a call (the batch size, where batch x sequence is 260)."
+    )
+    assert "batch x sequence = 260" not in f.message
+    assert f.remedy == (
+        "For fc1, fc2: a batch size that is a multiple of 8 (their rows are the batch's, 4: the sequence length "
+        "does not set them)."
+    )
+    assert f.numbers["row_layers"] == 2 and "tokens" not in f.numbers
+    # the old remedy followed (64 tokens a sequence): the layers still run on 4 rows, and are still named
+    assert must(advice(64), "tensor_core_alignment").modules == ["fc1", "fc2"]
+    assert "tensor_core_alignment" not in codes(advice(65, batch=8))  # the new one followed
+    # a layer on every token: batch x sequence is judged, as for a GPT, and the pooled layers beside it
+    f = must(advice(65, trunk=True), "tensor_core_alignment")
+    assert "these are not: batch x sequence = 260; the GEMM rows of fc1, fc2: 4 a call (the batch size)." in (
+        f.message
+    )
+    assert f.numbers["tokens"] == 260 and f.modules == ["fc1", "fc2"]
+    assert f.remedy.startswith("For the tokens: a batch size or sequence length that makes batch x sequence")
 
 
 def test_a_real_run_whose_scaler_backs_off_below_1_keeps_its_verdict_and_report(

@@ -253,6 +253,7 @@ LABELS: dict[Any, tuple[str, str] | None] = {
     "alignment": ("multiple required", "count"),
     "layers": ("layers off it", "count"),
     "tokens": ("tokens per call", "count"),
+    "row_layers": ("linear layers whose GEMM rows a call (not batch x sequence) are off it", "count"),
     "checked": ("linear layers checked", "count"),
     "not_evaluated": ("layers not evaluated", "count"),
     "eligible": ("FP8-eligible", "count"),

@@ -20,7 +20,7 @@ from precprof.analysis.advisor.evidence import (
     _tokens_per_call,
 )
 from precprof.analysis.advisor.model import INFO, WARNING, Finding, Number
-from precprof.analysis.advisor.text import _name, _pct
+from precprof.analysis.advisor.text import _listing, _name, _pct
 
 
 def _rule_alignment(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
@@ -38,36 +38,91 @@ def _rule_alignment(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> 
         if sh.tied_to is not None and m in flops:
             flops[sh.tied_to] = flops.get(sh.tied_to, 0) + flops.pop(m)
     total = sum(flops.values())
+
+    def negligible(m: str) -> bool:
+        return total > 0 and flops.get(m, total) < cfg.alignment_min_flops_share * total
+
     bad: dict[str, str] = {}
-    small = 0
+    small: set[str] = set()
     for m, d in dims.items():
         if "num_embeddings" in d and m not in tied:
             continue
         off = [f"{lbl}={v}" for lbl, v in d.items() if v % a]
-        if off and total > 0 and flops.get(m, total) < cfg.alignment_min_flops_share * total:
-            small += 1
-            continue
-        if off:
+        if off and negligible(m):
+            small.add(m)
+        elif off:
             bad[m] = ", ".join(off)
+    # the rows each linear layer's GEMM runs on a call (its input's leading dimensions): the batch's tokens for a
+    # layer that reads every token, fewer for one that reads pooled features (a classifier, a UNet's time MLP)
+    rows = _alignment_rows(shapes, tokens)
+    tok_off = tokens is not None and tokens % a != 0 and tokens in rows.values()
+    odd_rows: dict[int, list[str]] = {}
+    for m in run.sort(rows):
+        r = rows[m]
+        if r == tokens or not r % a:
+            continue
+        if negligible(shapes[m].tied_to or m):
+            small.add(m)
+        else:
+            odd_rows.setdefault(r, []).append(m)
     model_off = {k: v for k, v in _model_dims(run).items() if v % a}
-    tok_off = tokens is not None and tokens % a != 0
-    if not (bad or model_off or tok_off):
+    if not (bad or model_off or tok_off or odd_rows):
         return
+    lim = cfg.max_listed_modules
     parts = []
     if model_off:
         parts.append("model dims " + ", ".join(f"{k}={v}" for k, v in model_off.items()))
     if bad:
         parts.append(
             "layers "
-            + "; ".join(f"{_name(m)} ({bad[m]})" for m in run.sort(bad)[: cfg.max_listed_modules])
-            + (f" and {len(bad) - cfg.max_listed_modules} more" if len(bad) > cfg.max_listed_modules else "")
+            + "; ".join(f"{_name(m)} ({bad[m]})" for m in run.sort(bad)[:lim])
+            + (f" and {len(bad) - lim} more" if len(bad) > lim else "")
         )
     if tok_off:
         parts.append(f"batch x sequence = {tokens}")
-    numbers: dict[str, Number] = {"alignment": a, "layers": len(bad), "tokens": tokens}
+    batch = run.run_config.get("batch_size")
+    for r, ms in odd_rows.items():
+        said = f"where batch x sequence is {tokens}" if tokens is not None and not tok_off else ""
+        parts.append(
+            f"the GEMM rows of {_listing(ms, lim)}: {r} a call"
+            + (
+                f" (the batch size{', ' + said if said else ''})"
+                if r == batch
+                else f" ({said})"
+                if said
+                else ""
+            )
+        )
+    numbers: dict[str, Number] = {"alignment": a, "layers": len(bad)}
+    if tokens is not None and tokens in rows.values():  # (the batch's tokens, where a linear layer read them)
+        numbers["tokens"] = tokens
+    if odd_rows:
+        numbers["row_layers"] = sum(len(ms) for ms in odd_rows.values())
     if small:
-        numbers["small_layers_left_out"] = small
+        numbers["small_layers_left_out"] = len(small)
     numbers.update({f"dim_{k}": v for k, v in model_off.items()})
+    remedy = []
+    if bad or model_off:
+        remedy.append(
+            f"Pad them to a multiple of {a} or 64 (nanoGPT pads GPT-2's vocabulary from 50257 to 50304)."
+        )
+    if tok_off:
+        remedy.append(
+            f"For the tokens: a batch size or sequence length that makes batch x sequence a multiple of {a}, or "
+            f"pad_to_multiple_of={a} in a Hugging Face data collator."
+        )
+    for r, ms in odd_rows.items():
+        remedy.append(
+            f"For {_listing(ms, lim)}: "
+            + (
+                f"a batch size that is a multiple of {a} (their rows are the batch's, {r}: the sequence length does "
+                "not set them)."
+                if r == batch
+                else f"an input whose leading dimensions (all but the last) multiply to a multiple of {a} a call "
+                "(the batch size, the sequence length, or the model's own reshaping before "
+                f"{'it' if len(ms) == 1 else 'them'} set them)."
+            )
+        )
     plan.add(
         Finding(
             "tensor_core_alignment",
@@ -76,27 +131,32 @@ def _rule_alignment(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> 
             f"Tensor cores run fp16/bf16 matmuls at full speed when every dimension is a multiple of {a} "
             f"({cfg.fp8_alignment} for FP8); these are not: {'; '.join(parts)}"
             + (
-                f" ({small} misaligned layer(s) carrying under {_pct(cfg.alignment_min_flops_share)} of the "
+                f" ({len(small)} misaligned layer(s) carrying under {_pct(cfg.alignment_min_flops_share)} of the "
                 "linear layers' matmul FLOPs each left out: too small to pad)"
                 if small
                 else ""
             )
             + ".",
-            (
-                f"Pad them to a multiple of {a} or 64 (nanoGPT pads GPT-2's vocabulary from 50257 to 50304)."
-                if bad or model_off
-                else ""
-            )
-            + (
-                f"{' For' if bad or model_off else 'For'} the tokens: a batch size or sequence length that makes "
-                f"batch x sequence a multiple of {a}, or pad_to_multiple_of={a} in a Hugging Face data collator."
-                if tok_off
-                else ""
-            ),
-            modules=run.sort(bad),
+            " ".join(remedy),
+            modules=run.sort({*bad, *(m for ms in odd_rows.values() for m in ms)}),
             numbers=numbers,
         )
     )
+
+
+def _alignment_rows(shapes: Mapping[str, _Fp8Shape], tokens: int | None) -> dict[str, int]:
+    """The rows each linear layer's GEMM ran on a call at the first sampled step it recorded, where the run tells
+    them: the largest number dividing each call's (``_Fp8Shape.step_calls``), else its tokens per call (the
+    configuration's batch x sequence where its output does not tell them). A mixture of experts' routed experts
+    (``taxonomy.routed_expert``) whose rows differ from the batch's ``tokens`` are left out: each sees the tokens
+    routed to it, which no batch size sets."""
+    out: dict[str, int] = {}
+    for m, sh in shapes.items():
+        r = sh.step_calls[0][1] if sh.step_calls else sh.tokens
+        if r is None or r <= 0 or (r != tokens and taxonomy.routed_expert(m)):
+            continue
+        out[m] = r
+    return out
 
 
 @dataclass
