@@ -14,9 +14,13 @@ import torch
 
 # The processes tests start (``precprof train``, the stream's workers, the benches' dry runs) train tiny models on
 # a machine whose cores the pytest workers already share: one intra-op thread each, never two spinning OpenMP
-# threads per process on 2 cores. Set after torch started in this process, which keeps its own threads: the
-# tests here still run the C kernel's and torch's multi-threaded paths.
+# threads per process on 2 cores; and so do the tests in this process (torch started before the variable was set:
+# its thread count is set here too), which took about a tenth more CPU with two (tests/test_capture.py and three
+# more under -n 2, 71-72 s against 77-80 s of user time) and a compiled run's time swung 5x from one run to the next
+# (tests/test_bench_fp8.py). The C kernel's multi-threaded paths are tested with their threads set
+# (tests/test_stats.py's threads=2 and 3, tests/test_block_engines.py's threads=2), not with torch's default.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(1)
 
 # Without CUDA the Triton engine's kernels run on CPU tensors in Triton's interpreter. It must be chosen before
 # anything imports triton (transformers and lightning do): set after, nested @triton.jit calls fail.

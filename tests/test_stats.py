@@ -912,4 +912,9 @@ def test_kernel_threads_run_in_torchs_openmp_pool() -> None:
     assert [os.path.realpath(r) for r in runtimes] == [os.path.realpath(torch_gomp)]
     assert _cpu_kernel.shares_torch_threads(lib)
     if os.environ.get("PRECPROF_CPU_KERNEL_THREADS") is None:
-        assert StatsBuffer(1, "cpu")._threads() == torch.get_num_threads()
+        old = torch.get_num_threads()  # (1 in the tests: conftest)
+        torch.set_num_threads(3)
+        try:
+            assert StatsBuffer(1, "cpu")._threads() == torch.get_num_threads() == 3
+        finally:
+            torch.set_num_threads(old)
