@@ -10,10 +10,11 @@ along the block axis and, by default in the interpreter, 1024 lines across).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import pytest
 import torch
+from _s129a_interpreter import skip_nested_patching
 from test_block_formats import block, boundary_blocks, f32  # the reference tests' hand-built blocks
 
 from precprof import block_formats as bf
@@ -38,6 +39,15 @@ from precprof.stats import triton_block_kernels as tbk  # noqa: E402
 # the kernels' fp32 arithmetic meets inf and nan on purpose (a block at fp32's max, a nan tensor's NVFP4
 # scales): numpy, which runs it in the interpreter, warns where the GPU computes the same values silently
 pytestmark = pytest.mark.filterwarnings("ignore:(overflow|invalid value) encountered:RuntimeWarning")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _interpreter_patches_once_a_launch() -> Iterator[None]:
+    """In the interpreter, a launch patches triton.language once, not again at each call of a kernel's helper
+    (tests/_s129a_interpreter.py: the same arithmetic, a third of the CPU time less)."""
+    with skip_nested_patching():
+        yield
+
 
 RECIPES = [
     bf.get_recipe(name.removesuffix("_rceil"), "rceil" if name.endswith("_rceil") else None)
@@ -230,11 +240,23 @@ def test_a_sampled_tensor_is_one_launch_with_no_torch_work_around_it(monkeypatch
         assert set(ops.seen) <= views, ops.seen
 
 
+# the values a program rounds: 1,024 on a GPU; in the interpreter, which runs a program's operations on all its
+# values at once (numpy) and the programs one after another, 2^16 (the same values, a few programs each format)
+_SPAN = 1 << 16 if DEV.type == "cpu" else 1024
+
+
 @triton.jit
 def _both_roundings(
-    x_ptr, fast_ptr, general_ptr, n, MB: tl.constexpr, EMIN: tl.constexpr, FMAX: tl.constexpr
+    x_ptr,
+    fast_ptr,
+    general_ptr,
+    n,
+    MB: tl.constexpr,
+    EMIN: tl.constexpr,
+    FMAX: tl.constexpr,
+    SPAN: tl.constexpr,
 ):
-    i = tl.arange(0, 1024) + tl.program_id(0) * 1024
+    i = tl.arange(0, SPAN) + tl.program_id(0) * SPAN
     a = tl.load(x_ptr + i, mask=i < n, other=0).to(tl.float32, bitcast=True)
     tl.store(fast_ptr + i, tbk._round_value(a, MB, EMIN, FMAX), mask=i < n)
     tl.store(general_ptr + i, tbk._round_elem(a, MB, EMIN, FMAX), mask=i < n)
@@ -266,10 +288,18 @@ def test_the_rounding_on_bits_equals_the_general_rounding_and_real_casts() -> No
         bits = bits[bits >= 0]
         fast = torch.empty(bits.numel(), dtype=torch.float32)
         general = torch.empty_like(fast)
-        grid = (-(-bits.numel() // 1024),)
+        grid = (-(-bits.numel() // _SPAN),)
         bits, fast, general = bits.to(DEV), fast.to(DEV), general.to(DEV)
         _both_roundings[grid](
-            bits, fast, general, bits.numel(), MB=mb, EMIN=emin, FMAX=fmax_bits, **tb.LAUNCH_OPTIONS
+            bits,
+            fast,
+            general,
+            bits.numel(),
+            MB=mb,
+            EMIN=emin,
+            FMAX=fmax_bits,
+            SPAN=_SPAN,
+            **tb.LAUNCH_OPTIONS,
         )
         bits, fast, general = bits.cpu(), fast.cpu(), general.cpu()
         assert torch.equal(fast.view(torch.int32), general.view(torch.int32)), name
