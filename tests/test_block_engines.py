@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Iterator
 
 import numpy as np
 import pandas as pd
 import pytest
 import torch
 import torch.nn.functional as F
+from _s129a_interpreter import skip_nested_patching
 from torch import nn
 
 from precprof import block_formats as bf
@@ -24,6 +26,14 @@ RECIPES = bf.column_recipes()
 # tiny tensors: torch's second thread only spins (on a busy machine a torch.round took 9 ms)
 pytestmark = pytest.mark.usefixtures("one_thread")
 needs_c = pytest.mark.skipif(kernel.load() is None, reason="the C kernel does not build here")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _interpreter_patches_once_a_launch() -> Iterator[None]:
+    """In the interpreter, a launch patches triton.language once, not again at each call of a kernel's helper
+    (tests/_s129a_interpreter.py: the same arithmetic, less CPU time)."""
+    with skip_nested_patching():
+        yield
 
 
 def reference(x: torch.Tensor, axis: int) -> torch.Tensor:
