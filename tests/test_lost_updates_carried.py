@@ -98,9 +98,13 @@ def test_torchs_optimizers_keep_no_state_the_probe_takes_for_a_remainder() -> No
         if inspect.isclass(c) and issubclass(c, torch.optim.Optimizer) and c is not torch.optim.Optimizer
     ]
     for cls in classes:
-        for shape in ((4, 3), (5,)):
+        for shape in (
+            (4, 3),
+            (5,),
+            (),
+        ):  # () : a scalar parameter (CLIP's logit_scale), whose "step" is of its shape
             for kw in ({}, {"momentum": 0.9}, {"amsgrad": True}, {"centered": True, "momentum": 0.9}):
-                p = nn.Parameter(torch.randn(*shape))
+                p = nn.Parameter(torch.randn(shape))
                 try:
                     opt = cls([p], lr=0.01, **kw)
                 except (TypeError, ValueError):
@@ -118,7 +122,9 @@ def test_torchs_optimizers_keep_no_state_the_probe_takes_for_a_remainder() -> No
                 opt.step(closure)
                 assert update_carry.unknown_state(opt) == {}, cls
                 seen |= {
-                    k for k, v in opt.state[p].items() if isinstance(v, torch.Tensor) and v.shape == p.shape
+                    k
+                    for k, v in opt.state[p].items()
+                    if isinstance(v, torch.Tensor) and v.shape == p.shape and p.dim() > 0
                 }
     assert seen == update_carry.TORCH_STATE_KEYS  # (each key of the list is one torch keeps)
 

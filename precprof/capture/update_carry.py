@@ -50,6 +50,9 @@ TORCH_STATE_KEYS = frozenset(
         "prev_flat_grad",  # LBFGS
     }
 )
+# bitsandbytes' optimizers (transformers' "paged_adamw_32bit", "adamw_bnb_8bit") keep their moments as ``state1`` and
+# ``state2``: moments too, none a remainder
+OTHER_MOMENT_KEYS = frozenset({"state1", "state2"})
 STOCHASTIC_ROUND = (
     "bf16_stochastic_round"  # torchao.optim's setting (adam.py: ``self.bf16_stochastic_round``)
 )
@@ -94,7 +97,10 @@ def unknown_state(optimizer: Any) -> dict[str, list[Any]]:
             if (
                 isinstance(key, str)
                 and key not in TORCH_STATE_KEYS
+                and key not in OTHER_MOMENT_KEYS
                 and isinstance(value, torch.Tensor)
+                and value.dim()
+                > 0  # (a 0-dim parameter's: torch's "step" is a 0-dim tensor, as are NAdam's "mu_product")
                 and value.shape == p.shape
                 and value.is_floating_point()
             ):
