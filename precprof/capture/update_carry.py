@@ -99,8 +99,8 @@ def unknown_state(optimizer: Any) -> dict[str, list[Any]]:
                 and key not in TORCH_STATE_KEYS
                 and key not in OTHER_MOMENT_KEYS
                 and isinstance(value, torch.Tensor)
-                and value.dim()
-                > 0  # (a 0-dim parameter's: torch's "step" is a 0-dim tensor, as are NAdam's "mu_product")
+                # (torch's "step" of a 0-dim parameter is of its shape, NAdam's "mu_product" too)
+                and value.dim() > 0
                 and value.shape == p.shape
                 and value.is_floating_point()
             ):
