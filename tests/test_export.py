@@ -5,6 +5,7 @@ the offline wandb run file with a reader of its record log, and compared with th
 from __future__ import annotations
 
 import errno
+import gc
 import json
 import math
 import os
@@ -13,6 +14,7 @@ import sys
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -585,6 +587,16 @@ def test_rows_waiting_at_a_close_go_when_the_wandb_run_finishes() -> None:
     assert run.logged == [(100, 0), (105, 1), (106, 2)]
     sink._at_exit()  # nothing left for the process's exit
     assert len(run.logged) == 3
+    # the hook of a run the sink no longer waits for places nothing; and no exit handler keeps a sink alive (a
+    # sweep makes a Profiler, and a sink, per trial)
+    sink.write([ev.Scalar("precprof/loss", 3, 1.0), ev.Scalar("precprof/loss", 4, 1.0)])
+    assert sink._hooked is run and sink in wb._waiting_at_exit
+    sink._at_finish(object())
+    assert len(run.logged) == 3 and len(sink._waiting) == 2
+    alive = weakref.ref(sink)
+    del sink, run, hook
+    gc.collect()
+    assert alive() is None
 
 
 def test_a_step_without_a_loss_logs_no_loss() -> None:

@@ -7,7 +7,9 @@ Scalars are logged under their tags; exponent histograms as ``wandb.Histogram`` 
 from __future__ import annotations
 
 import atexit
+import functools
 import warnings
+import weakref
 from collections import deque
 from collections.abc import Iterable
 from typing import Any
@@ -87,7 +89,6 @@ class WandbSink:
         self._dropped: list[int] = []  # precprof steps never logged (too many waiting rows), not said yet
         self._hooked: Any = None  # the run whose finish logs the rows still waiting (``_log_at_finish``)
         self._no_hook = False  # this wandb has no hook on a run's finish: the rows still waiting go at close
-        self._exit_handler = False  # whether ``_at_exit`` is registered
         self._named: set[str] = set()  # the keys given a define_metric of their own (``_name_keys``)
         self._logged = False  # whether a step reached the run: a run gone since then was finished
 
@@ -182,16 +183,16 @@ class WandbSink:
         after Python's exit handlers, precprof's among them)."""
         if self._hooked is run or self._no_hook:
             return
-        if not on_finish(run, self._at_finish):
+        if not on_finish(run, functools.partial(self._at_finish, run)):
             self._no_hook = True
             return
         self._hooked = run
-        if not self._exit_handler:
-            atexit.register(self._at_exit)
-            self._exit_handler = True
+        _wait_for_exit(self)
 
-    def _at_finish(self) -> None:
+    def _at_finish(self, finishing: Any) -> None:
         """wandb finishes the run (its hook, before the run's last records): the loop is over."""
+        if finishing is not self._hooked:  # a run this sink logs to no longer: its rows are the next run's
+            return
         run, self._hooked = self._hooked, None
         if self._waiting and run is not None:
             try:
@@ -204,7 +205,7 @@ class WandbSink:
     def _at_exit(self) -> None:
         """The process exits: rows still waiting for a run not finished yet go now."""
         if self._waiting and self._hooked is not None and not getattr(self._hooked, "_is_finished", False):
-            self._at_finish()
+            self._at_finish(self._hooked)
 
     def close(self) -> None:
         """A detach: rows still waiting keep waiting for the loop's next wandb steps (after the next attach) or for
@@ -231,6 +232,26 @@ class WandbSink:
             if self._waiting:
                 self._place(self.run, past=True)
             self.run.finish()
+
+
+# the sinks with rows waiting for a run's finish: a process that exits without finishing its run has them logged
+# (one handler for all, holding none of them alive: a sweep makes a Profiler, and a sink, per trial), registered
+# at the first such run's hook, after wandb.init registered wandb's own: exit handlers run last registered first,
+# so it logs before wandb's service finishes the run
+_waiting_at_exit: weakref.WeakSet[WandbSink] = weakref.WeakSet()
+_exit_handler: list[bool] = []
+
+
+def _log_waiting_at_exit() -> None:
+    for sink in list(_waiting_at_exit):
+        sink._at_exit()
+
+
+def _wait_for_exit(sink: WandbSink) -> None:
+    _waiting_at_exit.add(sink)
+    if not _exit_handler:
+        atexit.register(_log_waiting_at_exit)
+        _exit_handler.append(True)
 
 
 def on_finish(run: Any, call: Any) -> bool:
