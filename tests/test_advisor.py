@@ -1935,6 +1935,23 @@ def test_alignment_judges_the_rows_each_linear_layers_gemm_runs_on() -> None:
     )
     assert f.numbers["tokens"] == 260 and f.modules == ["fc1", "fc2"]
     assert f.remedy.startswith("For the tokens: a batch size or sequence length that makes batch x sequence")
+    # a loop of the user's own, which says no batch size nor sequence: the pooled model's 4 rows (its embedding
+    # looked up 260 ids a call), and an MLP's on flat features (no embedding), are rows, not batch x sequence
+    # (reviewer h103: "batch x sequence = 4" and pad_to_multiple_of for an MLP)
+    for with_emb in (True, False):
+        b = RunBuilder()
+        if with_emb:
+            b.add(0, 0, "emb", "Embedding", T.ACTIVATION, torch.randn(4 * 65, 64))
+        b.add(0, 2, "fc1", "Linear", T.ACTIVATION, torch.randn(4, 64))
+        b.add(0, 3, "fc2", "Linear", T.ACTIVATION, torch.randn(4, 256))
+        own = {T.SUMMARY_CAPTURE: {"modules": modules if with_emb else modules[1:]}}
+        f = must(recommend(b.tables(), hardware="h100", summary=own), "tensor_core_alignment")
+        assert f.message.endswith("these are not: the GEMM rows of fc1, fc2: 4 a call."), with_emb
+        assert "batch x sequence" not in f.message + f.remedy and "pad_to_multiple_of" not in f.remedy
+        assert f.remedy.startswith(
+            "For fc1, fc2: an input whose leading dimensions (all but the last) multiply"
+        )
+        assert "tokens" not in f.numbers
 
 
 def test_a_real_run_whose_scaler_backs_off_below_1_keeps_its_verdict_and_report(

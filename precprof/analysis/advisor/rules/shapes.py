@@ -55,11 +55,12 @@ def _rule_alignment(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> 
     # the rows each linear layer's GEMM runs on a call (its input's leading dimensions): the batch's tokens for a
     # layer that reads every token, fewer for one that reads pooled features (a classifier, a UNet's time MLP)
     rows = _alignment_rows(shapes, tokens)
-    tok_off = tokens is not None and tokens % a != 0 and tokens in rows.values()
+    sequence = _rows_are_tokens(run, dims, tokens)
+    tok_off = sequence and tokens is not None and tokens % a != 0 and tokens in rows.values()
     odd_rows: dict[int, list[str]] = {}
     for m in run.sort(rows):
         r = rows[m]
-        if r == tokens or not r % a:
+        if (r == tokens and sequence) or not r % a:
             continue
         if negligible(shapes[m].tied_to or m):
             small.add(m)
@@ -82,7 +83,9 @@ def _rule_alignment(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> 
         parts.append(f"batch x sequence = {tokens}")
     batch = run.run_config.get("batch_size")
     for r, ms in odd_rows.items():
-        said = f"where batch x sequence is {tokens}" if tokens is not None and not tok_off else ""
+        said = (
+            f"where batch x sequence is {tokens}" if sequence and tokens is not None and not tok_off else ""
+        )
         parts.append(
             f"the GEMM rows of {_listing(ms, lim)}: {r} a call"
             + (
@@ -94,7 +97,9 @@ def _rule_alignment(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> 
             )
         )
     numbers: dict[str, Number] = {"alignment": a, "layers": len(bad)}
-    if tokens is not None and tokens in rows.values():  # (the batch's tokens, where a linear layer read them)
+    if (
+        sequence and tokens is not None and tokens in rows.values()
+    ):  # (the batch's tokens, where a layer read them)
         numbers["tokens"] = tokens
     if odd_rows:
         numbers["row_layers"] = sum(len(ms) for ms in odd_rows.values())
@@ -141,6 +146,34 @@ def _rule_alignment(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> 
             modules=run.sort({*bad, *(m for ms in odd_rows.values() for m in ms)}),
             numbers=numbers,
         )
+    )
+
+
+def _rows_are_tokens(run: _Run, dims: Mapping[str, Mapping[str, int]], tokens: int | None) -> bool:
+    """Whether ``tokens``, the rows a linear layer's GEMM runs on a call (``_tokens_per_call``), are the batch's
+    tokens, batch x sequence: the configuration says the sequence's length, or the token embedding (the embedding
+    with the most rows) looked up that many ids a call at the first sampled step, or it is not recorded on that
+    step; with no embedding recorded (features, not ids), a multiple of the configuration's batch size. Not where
+    the embedding's ids a call were others (the sequence pooled before the linear layers), nor for features the run
+    does not tell apart from a batch (an MLP of a loop of the user's own on 4 rows): their rows are said as rows."""
+    if tokens is None:
+        return False
+    seq = run.run_config.get("seq_len")
+    if isinstance(seq, int) and seq > 0:
+        return True
+    embeddings = {m: d for m, d in dims.items() if "num_embeddings" in d and d.get("dim")}
+    if (
+        not embeddings
+    ):  # (features, not ids: a multiple of the batch size the configuration says is its sequences)
+        batch = run.run_config.get("batch_size")
+        return isinstance(batch, int) and batch > 0 and tokens != batch and tokens % batch == 0
+    token = max(embeddings, key=lambda m: (embeddings[m]["num_embeddings"], m))
+    first = _first_activations(run).get(token)
+    if first is None:
+        return True
+    numel, calls = first
+    return not (math.isfinite(numel) and math.isfinite(calls) and calls >= 1) or (
+        numel == tokens * calls * embeddings[token]["dim"]
     )
 
 
