@@ -7,6 +7,9 @@ can fail where training would not: a forward under ``torch.func`` refuses the es
 refuses the run in one line, before its run directory is made. It named nothing but a 40-line traceback after a
 run directory whose report showed a run that never took a step.
 
+``no_gradient`` says what is wrong with an output the loss takes no gradient from (integer logits, a detached
+loss): torch's backward said "element 0 of tensors does not require grad and does not have a grad_fn" at step 0.
+
 ``layout_note`` is the one thing the contract cannot check: logits whose last two dimensions are equal.
 """
 
@@ -97,6 +100,41 @@ def forward_failed(
         f"{built.name}: the model's forward pass raised {type(e).__name__}: {first}{where_raised(e)}, before "
         f"training, on the batch precprof train feeds it: {call} with x the token ids in [0, {vocab_size}), an "
         f"int64 tensor (batch_size, seq_len), here {shape}{targets}{output}{other}"
+    )
+
+
+def no_gradient(name: str, model: nn.Module, loss: torch.Tensor, logits: torch.Tensor | None) -> UserError:
+    """The one-line error for a model whose output the loop's loss carries no gradient back from (``loss`` does not
+    require grad while autograd is on): backward would refuse it ("element 0 of tensors does not require grad")
+    at the first step, a traceback of torch's after the measuring passes ran it without a word. ``logits``: what
+    the loss was taken from (``loop.logits_read``), None for a loss the model returned; ``name``: the model's.
+    A ``model`` without a trainable parameter is said so (the optimizer's check, met after this pass); integer
+    logits (an argmax, a ``.long()``) or loss have no gradient at all; a float one was cut off from the
+    trainable parameters (detached, under ``torch.no_grad()``, remade from values, or from frozen layers alone)."""
+    if not any(p.requires_grad for p in model.parameters()):
+        n = sum(1 for _ in model.parameters())
+        why = f"all its {n} parameter tensors have requires_grad=False" if n else "it has no parameters"
+        return UserError(
+            f"{name}: the model ({type(model).__name__}) has no trainable parameters ({why}): nothing to train or "
+            "profile; check the factory returns the model with its layers, and does not freeze them all"
+        )
+    what, t = ("logits", logits) if logits is not None else ("a loss", loss)
+    if not (t.is_floating_point() or t.is_complex()):
+        fix = (
+            "return the float scores of its output layer, before any argmax, .long() or .int()"
+            if logits is not None
+            else "return the loss as a float tensor computed from the logits (F.cross_entropy), or the logits alone"
+        )
+        return UserError(
+            f"{name}: the model's forward returned {what} of dtype {str(t.dtype).removeprefix('torch.')}: an integer "
+            f"tensor has no gradient to train the model with; {fix}"
+        )
+    do, they = ("do", "they are") if logits is not None else ("does", "it is")
+    return UserError(
+        f"{name}: the model's forward returned {what} that {do} not require grad: {they} not computed from its "
+        "trainable parameters, so training has no gradient to take; remove the .detach(), .data, torch.no_grad() "
+        "or tensor rebuilt from values (torch.tensor(...), .item(), .tolist()) on the way from the parameters to "
+        "the output, and check the layers it goes through are not all frozen (requires_grad=False)"
     )
 
 

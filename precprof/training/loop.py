@@ -488,8 +488,11 @@ def _forward_loss(
         with autocast, fp8_context(plan):
             out = model(x, targets=y) if built.pass_targets else model(x)
             loss = loss_from_output(out, y, data.vocab_size, built.pass_targets)
-            if shapes is not None and (logits := logits_read(out, y, built.pass_targets)) is not None:
+            logits = logits_read(out, y, built.pass_targets)
+            if shapes is not None and logits is not None:
                 shapes.append(tuple(logits.shape))
+            if not loss.requires_grad and torch.is_grad_enabled():  # refused before training (check_forward)
+                raise contract.no_gradient(built.name, model, loss, logits)
             return loss
 
     return forward_loss
@@ -597,6 +600,9 @@ def _run(s: _Setup, callbacks: Sequence[Callback], claimed: rundir.RunDir | None
                         raise not_a_language_model(s.built.name, x, e) from e
                     with prof.memory_scope():  # what the loss saves for backward counts as activations
                         loss = loss_from_output(out, y, data.vocab_size, s.built.pass_targets)
+                    if not loss.requires_grad and torch.is_grad_enabled():  # backward would refuse it
+                        logits = logits_read(out, y, s.built.pass_targets)
+                        raise contract.no_gradient(s.built.name, s.inner, loss, logits)
                 run.loss = loss.detach()
                 phase = failure.BACKWARD
                 scaler.scale(loss).backward()

@@ -1,0 +1,95 @@
+"""A ``--model file.py:factory`` model that breaks the output contract is told so in one line, exit code 2.
+
+Logits of an integer dtype, logits or a loss detached from the parameters: the loss carries no gradient, and
+torch's backward refused it at step 0 ("element 0 of tensors does not require grad and does not have a
+grad_fn", exit 1) after the run directory was made. They are refused before training, with what is wrong and the
+fix, as the output of a wrong shape is.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from precprof import cli
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+TINY = ["--batch-size", "2", "--seq-len", "8", "--no-progress", "--device", "cpu"]
+
+MODELS = """
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self, vocab_size, mode, after):
+        super().__init__()
+        self.emb = nn.Embedding(vocab_size, 8)
+        self.out = nn.Linear(8, vocab_size)
+        self.mode, self.after, self.calls = mode, after, 0
+
+    def forward(self, x):
+        self.calls += 1
+        logits = self.out(self.emb(x))
+        if self.calls <= self.after:  # the passes before the contract breaks
+            return logits
+        if self.mode == "argmax":
+            return logits.argmax(-1, keepdim=True).expand_as(logits).contiguous()
+        if self.mode == "detach":
+            return logits.detach()
+        if self.mode == "int_loss":
+            return torch.tensor(3)
+        if self.mode == "item_loss":
+            return torch.tensor(logits.float().mean().item())
+        if self.mode == "dict":
+            return {"hidden": logits, "aux": logits.mean()}
+        return logits
+
+
+def make(vocab_size, mode, after=0):
+    return Net(vocab_size, mode, after)
+"""
+
+
+def run_main(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    _, err = capsys.readouterr()
+    return (e.value.code if isinstance(e.value.code, int) else 0), err
+
+
+@pytest.mark.parametrize(
+    ("mode", "needles"),
+    [
+        ("argmax", ["returned logits of dtype int64", "no gradient", "before any argmax"]),
+        ("detach", ["returned logits that do not require grad", "remove the .detach()"]),
+        ("int_loss", ["returned a loss of dtype int64", "as a float tensor"]),
+        ("item_loss", ["returned a loss that does not require grad", ".item()"]),
+    ],
+)
+def test_an_output_training_cannot_use_is_refused_before_training(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], mode: str, needles: list[str]
+) -> None:
+    """Before: exit 1 at step 0's backward, torch's 'element 0 of tensors does not require grad', and a run
+    directory of a run that never took a step."""
+    (tmp_path / "m.py").write_text(MODELS)
+    out = tmp_path / "run"
+    argv = [
+        "train",
+        "-m",
+        f"{tmp_path / 'm.py'}:make",
+        "-a",
+        f"mode={mode}",
+        "--out",
+        str(out),
+        "--steps",
+        "2",
+    ]
+    rc, err = run_main([*argv, *TINY], capsys)
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and lines[0].startswith("precprof: error: "), err
+    assert "element 0" not in err
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+    assert not out.exists()  # refused before its run directory was made
