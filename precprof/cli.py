@@ -256,6 +256,20 @@ def train(
         for note in not_saved:
             _tell(f"precprof: error: {note}")
         raise typer.Exit(code) from None
+    except UserError as e:
+        if (
+            getattr(e, "precprof_run_dir", None) is None
+            or not training.writes_run_dir()
+            or traceback_wanted()
+        ):
+            raise  # before training (or a rank that writes no run): one line, and nothing of the run to name
+        # a mistake met in training (a factory's output that breaks the contract at step 2): its line, then the
+        # partial run, which its one line alone left unsaid
+        _tell(f"precprof: error: {_one_line(str(e))}")
+        _tell(f"precprof: training stopped{_saved(e.precprof_run_dir)}")  # type: ignore[attr-defined]
+        for note in not_saved:
+            _tell(f"precprof: error: {note}")
+        raise typer.Exit(EXIT_USAGE) from None
     except Exception as e:
         if not _models_error(e) or traceback_wanted():
             raise  # precprof's own error, a built-in or Hugging Face model's: its traceback, to report

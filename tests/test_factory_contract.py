@@ -3,16 +3,19 @@
 Logits of an integer dtype, logits or a loss detached from the parameters: the loss carries no gradient, and
 torch's backward refused it at step 0 ("element 0 of tensors does not require grad and does not have a
 grad_fn", exit 1) after the run directory was made. They are refused before training, with what is wrong and the
-fix, as the output of a wrong shape is.
+fix, as the output of a wrong shape is; met in training (a model that breaks the contract at a later step) the
+line is followed by where the partial run is, saved as for any crash.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
 from precprof import cli
+from precprof import tables as T
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 TINY = ["--batch-size", "2", "--seq-len", "8", "--no-progress", "--device", "cpu"]
@@ -66,13 +69,15 @@ def run_main(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, 
         ("detach", ["returned logits that do not require grad", "remove the .detach()"]),
         ("int_loss", ["returned a loss of dtype int64", "as a float tensor"]),
         ("item_loss", ["returned a loss that does not require grad", ".item()"]),
+        ("dict", ["returned dict with keys 'hidden', 'aux'", "under its key 'logits' or 'loss'"]),
     ],
 )
 def test_an_output_training_cannot_use_is_refused_before_training(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], mode: str, needles: list[str]
 ) -> None:
     """Before: exit 1 at step 0's backward, torch's 'element 0 of tensors does not require grad', and a run
-    directory of a run that never took a step."""
+    directory of a run that never took a step; a dict without logits named none of its keys nor where the loop
+    looks in it."""
     (tmp_path / "m.py").write_text(MODELS)
     out = tmp_path / "run"
     argv = [
@@ -93,3 +98,40 @@ def test_an_output_training_cannot_use_is_refused_before_training(
     for needle in needles:
         assert needle in lines[0], (needle, lines[0])
     assert not out.exists()  # refused before its run directory was made
+
+
+@pytest.mark.parametrize(
+    ("mode", "needle"),
+    [("detach", "returned logits that do not require grad"), ("dict", "returned dict with keys")],
+)
+def test_an_output_that_breaks_the_contract_in_training_says_where_the_partial_run_is(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], mode: str, needle: str
+) -> None:
+    """A model that breaks the contract from its 4th forward pass on (the measuring passes and a training step
+    before it): the one line of what is wrong, then where the partial run is, as for any crash, exit 2. Detached
+    logits were torch's error at the backward pass (exit 1); a dict met in training said its line alone, nothing
+    of the run saved."""
+    (tmp_path / "m.py").write_text(MODELS)
+    out = tmp_path / "run"
+    argv = [
+        "train",
+        "-m",
+        f"{tmp_path / 'm.py'}:make",
+        "-a",
+        f"mode={mode}",
+        "-a",
+        "after=3",
+        "--out",
+        str(out),
+    ]
+    rc, err = run_main([*argv, "--steps", "3", "--no-report", *TINY], capsys)
+    lines = err.strip().splitlines()
+    summary = json.loads((out / T.SUMMARY_FILE).read_text())
+    done = summary[T.SUMMARY_FINAL]["steps_done"]
+    assert rc == 2 and 0 < done < 3, err
+    assert len(lines) == 3 and needle in lines[0] and "element 0" not in err, err
+    step = "step" if done == 1 else "steps"
+    assert lines[1] == f"precprof: training stopped: the partial run is in {out} ({done} finished {step})"
+    assert lines[2] == f"report: not rendered; `precprof report {out}` renders it"
+    assert summary[T.SUMMARY_STATUS] == T.STATUS_INCOMPLETE
+    assert needle in summary[T.SUMMARY_INCOMPLETE_REASON]

@@ -122,10 +122,20 @@ def loss_from_output(
     shape: tuple[Any, ...] | None = tuple(logits.shape) if isinstance(logits, torch.Tensor) else None
     if isinstance(out, (tuple, list)):
         shape = tuple(tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in out)
+    # where the loop looks in an output that is no tensor: a dict's keys, an object's attributes
+    keys = f" with keys {', '.join(map(repr, list(out)[:8]))}" if isinstance(out, dict) and out else ""
+    under = (
+        " among its items"
+        if isinstance(out, (tuple, list))
+        else " under its key 'logits' or 'loss'"
+        if isinstance(out, dict)
+        else " as its .logits or .loss"
+        if out is not None and not isinstance(out, torch.Tensor)
+        else ""
+    )
     raise UserError(
-        f"the model's forward returned {type(out).__name__}{f' of shape {shape}' if shape else ''}; "
-        f"expected logits of shape ({targets.shape[0]}, {targets.shape[1]}, vocab_size) or a scalar loss"
-        + (" among its items" if isinstance(out, (tuple, list)) else "")
+        f"the model's forward returned {type(out).__name__}{keys}{f' of shape {shape}' if shape else ''}; "
+        f"expected logits of shape ({targets.shape[0]}, {targets.shape[1]}, vocab_size) or a scalar loss{under}"
     )
 
 
