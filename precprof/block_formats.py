@@ -28,7 +28,10 @@ The rules, read from the OCP MX v1.0 spec and torchao 0.18 (``torchao.prototype.
 - MX (block 32, E8M0 scale 2^k, k clamped to [-127, 127]). ``floor`` (OCP): k = floor(log2 amax) - emax_elem,
   where emax_elem = floor(log2 element max). ``rceil`` (cuBLAS / torchao RCEIL): k = the smallest integer with
   2^k >= fl32(amax / element max), so amax lands at or below the element max and nothing saturates except when
-  that fp32 division rounds down. Blocks whose amax is 0 get k = -127.
+  that fp32 division rounds down. Blocks whose amax is 0 get k = -127, and so do rceil blocks whose
+  fl32(amax / element max) is 0 (amax below the max times 2^-150: every k qualifies, the smallest is
+  taken, as torchao's clamped ceil(log2 0) = -inf and cvt.rp.satfinite.ue8m0 of 0 give; only FP8 E5M2
+  keeps a value there, from amax 2^-144 up).
 - NVFP4 (block 16, FP4 E2M1 elements), two-level scaling as torchao's ``nvfp4_quantize`` and the NVIDIA
   recipe: per-tensor fp32 scale p = fl(amax_tensor / (448 * 6)); block scale s = E4M3(clamp(fl(fl(amax_block /
   6) / p), 2^-6, 448)); elements q = E2M1(clamp(x * fl(fl(1 / p) / s), -6, 6)); dequantised q * fl(p * s).
@@ -264,8 +267,10 @@ def _quantize(x: torch.Tensor, recipe: BlockRecipe, axis: int) -> tuple[torch.Te
     if recipe.scale_format == "e8m0":
         ok = torch.isfinite(amax)
         if recipe.scale_mode == ScaleMode.RCEIL:
-            mant, ex = torch.frexp(_div(amax, fmt.max))  # fl32(amax / max) = mant * 2^ex, mant in [0.5, 1)
+            d = _div(amax, fmt.max)
+            mant, ex = torch.frexp(d)  # fl32(amax / max) = mant * 2^ex, mant in [0.5, 1)
             k = ex - (mant == 0.5).to(ex.dtype)  # ceil(log2): one less when it is a power of two
+            k = torch.where(d > 0, k, E8M0_MIN_EXPONENT)  # a quotient of 0: every 2^k is >= it
         else:
             _, ex = torch.frexp(amax)
             k = ex - 1 - fmt.max_exponent  # floor(log2 amax) - emax_elem

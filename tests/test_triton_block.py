@@ -397,7 +397,7 @@ def test_tiny_tensors_nvfp4_degenerate_scales_and_mx_smallest_scales() -> None:
         )
         got = check(torch.cat([x, x * 0.75], dim=1), recipes, -1)
         assert got[0, :2].tolist() == counts and math.isfinite(got[0, 4])
-    # MX blocks whose fl32(amax / max) is 0 (rceil takes k = 0, as frexp(0) does) or below E8M0's 2^-127
+    # MX blocks whose fl32(amax / max) is 0 (rceil takes E8M0's smallest, 2^-127) or below E8M0's 2^-127
     x = torch.tensor([[2.0**-149, 2.0**-148, 0.0, 3 * 2.0**-149], [2.0**-147, 2.0**-140, 0.0, 0.0]])
     check(x, RECIPES[:6], -1)
 

@@ -599,9 +599,9 @@ static int mx_exponent(uint32_t a, const brec_t* r) {
     int k;
     if (r->kind == 0) {
         k = floor_log2_bits(a) - r->emax;
-    } else { /* rceil: the smallest k with 2^k >= fl32(amax / max); frexp(0) gives k = 0 */
+    } else { /* rceil: the smallest k with 2^k >= fl32(amax / max); a quotient of 0 takes E8M0's smallest */
         uint32_t u = fbits(bitsf(a) / r->fmax);
-        if (u == 0) k = 0;
+        if (u == 0) k = -127;
         else {
             int pow2 = u >= 0x800000u ? (u & 0x7FFFFFu) == 0 : (u & (u - 1)) == 0;
             k = floor_log2_bits(u) + (pow2 ? 0 : 1);

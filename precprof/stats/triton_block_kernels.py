@@ -81,10 +81,10 @@ def _mx_scale(ab, FMAX: tl.constexpr, RCEIL: tl.constexpr):
     # a block of zeros or a poisoned one)
     EMAX: tl.constexpr = (FMAX >> 23) - 127
     if RCEIL:
-        # the smallest k with 2^k >= fl32(amax / max); fl32(.) == 0 gives k = 0, as frexp(0) does
+        # the smallest k with 2^k >= fl32(amax / max); fl32(.) == 0 takes E8M0's smallest (block_formats)
         u = tl.div_rn(_f32(ab), _cf(FMAX)).to(tl.int32, bitcast=True)
         frac = tl.where(u >= 0x800000, u & 0x7FFFFF, u & (u - 1))
-        k = tl.where(u == 0, 0, _floor_log2(tl.maximum(u, 1)) + (frac != 0).to(tl.int32))
+        k = tl.where(u == 0, -127, _floor_log2(tl.maximum(u, 1)) + (frac != 0).to(tl.int32))
     else:
         k = _floor_log2(tl.maximum(ab, 1)) - EMAX
     k = tl.where(ab == 0, -127, tl.minimum(tl.maximum(k, -127), 127))
