@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from torch import nn
 
 from precprof import tables as T
+from precprof.modes import PRECISIONS
 from precprof.schema import texts
 
 MATMUL = "matmul"  # autocast runs it in the low precision: its inputs and outputs are 16-bit
@@ -445,6 +446,18 @@ def summary_requested(summary: Mapping[str, Any], default: str = "") -> str:
     capture = summary.get(T.SUMMARY_CAPTURE) or {}
     req = capture.get("mixed_precision_requested") if isinstance(capture, Mapping) else None
     return req.lower() if isinstance(req, str) and req else default
+
+
+def precision_trained(summary: Mapping[str, Any], asked: str) -> str:
+    """The precision mode a run trained in: the one the profiler saw it train in (``capture.precision_seen``: its
+    autocast, layers and parameters' dtypes; ``with_precision_seen``'s off the layers) where that is one of the
+    modes (``precprof.modes``) or ``asked`` is "", else ``asked`` (what its configuration asked for; a run
+    recorded before ``precision_seen`` was). They differ where the framework trained in another than it was asked
+    for (accelerate trains ``TrainingArguments(fp16=True)`` in fp32 on a CPU): what the run trained in is the
+    seen one, and only the precision check and its finding speak of the request."""
+    capture = summary.get(T.SUMMARY_CAPTURE) or {}
+    seen = str(capture.get("precision_seen") or "") if isinstance(capture, Mapping) else ""
+    return seen if seen and (seen in PRECISIONS or not asked) else asked
 
 
 _LOW_MODES = {"bfloat16": "bf16", "float16": "fp16"}

@@ -137,6 +137,39 @@ def test_fp16_on_cpu_is_reported_as_not_active(tmp_path: Path) -> None:
     assert "mixed_precision_inactive" in codes
 
 
+@pytest.mark.skipif(not _render_available(), reason="report extra")
+def test_fp16_on_cpu_trained_in_fp32_and_only_the_precision_check_speaks_of_fp16(tmp_path: Path) -> None:
+    """accelerate trains fp16=True in fp32 on a CPU: the title, the header, the heatmaps and the memory projection
+    call the run fp32 (they called it fp16: 'this run trained in FP16', the projection's measured mode fp16); the
+    precision check and its finding speak of the fp16 asked for."""
+    from precprof.report import summarize as S
+    from precprof.report.context import build_context, heatmap_focus
+
+    cb = PrecprofCallback(out=tmp_path / "run", sample_every=1, report=False)
+    targs = training_args(tmp_path, max_steps=2, fp16=True)
+    Trainer(model=tiny_gpt2(), args=targs, train_dataset=TokenData(), callbacks=[cb]).train()
+    summary = T.read_summary(cb.run_dir)
+    tables = T.read_tables(cb.run_dir)
+    assert summary[T.SUMMARY_CAPTURE]["precision_seen"] == "fp32"
+    assert summary[T.SUMMARY_MEMORY]["measured_mode"] == "fp32"
+    assert (
+        "measured mode: fp32 (as the profiler saw the run train; fp16 was asked for)"
+        in (summary[T.SUMMARY_MEMORY]["assumptions"])
+    )
+    assert heatmap_focus(summary, None) == (
+        "fp16",
+        "FP16 has the narrowest range of the formats a run can train in",
+    )
+    ctx = build_context(tables, summary)
+    assert ctx["title"] == "GPT2LMHeadModel · fp32"
+    assert dict(ctx["headline"])["precision"] == "fp32"
+    check = S.precision_check(tables["layers"], tables["memory"], summary)
+    assert check["requested"] == "fp16" and check["asked"] and not check["ok"]
+    assert check["asked_as"] == "TrainingArguments(fp16=True)"
+    codes = [f["code"] for f in summary[T.SUMMARY_RECOMMENDATION]["findings"]]
+    assert "mixed_precision_inactive" in codes
+
+
 def test_weights_loaded_in_bf16_under_autocast_lose_updates_and_are_told_how_to_keep_them(
     tmp_path: Path,
 ) -> None:

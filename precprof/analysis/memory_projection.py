@@ -42,7 +42,7 @@ from precprof import tables as T
 from precprof.formats import LOW_PRECISION_DTYPES
 from precprof.modes import AUTOCAST_MODES, FP32_STORAGE_MODES, PRECISIONS, PURE_MODES
 from precprof.tables import LOSS_SCOPE
-from precprof.taxonomy import CLASS_OTHER, LOW_UNDER_AUTOCAST
+from precprof.taxonomy import CLASS_OTHER, LOW_UNDER_AUTOCAST, precision_trained
 
 MODES: tuple[str, ...] = PRECISIONS
 TEXTBOOK_CLAIM = (
@@ -261,17 +261,22 @@ def _elements(rows: pd.DataFrame) -> tuple[float, int]:
 
 
 def _run_mode(summary: Mapping[str, Any], memory: pd.DataFrame) -> tuple[str, str]:
-    """(the run's precision mode, where it comes from, in words): its configuration's, else the one the
-    profiler saw it train in (``capture.precision_seen``, what the report's header says), else the one its
-    memory looks like (``infer_mode``)."""
+    """(the run's precision mode, where it comes from, in words): the one the profiler saw it train in
+    (``capture.precision_seen``, what the report's header says) where its configuration asked for none or for
+    another one the run did not train in (accelerate's fp16 on a CPU trains in fp32: the projection's measured mode
+    was fp16), else its configuration's, else the one its memory looks like (``infer_mode``)."""
     config = summary.get(T.SUMMARY_CONFIG) or {}
-    mode = str(config.get("precision", "")) if isinstance(config, Mapping) else ""
-    if mode in MODES:
-        return mode, ""
-    capture = summary.get(T.SUMMARY_CAPTURE) or {}
-    seen = str(capture.get("precision_seen") or "") if isinstance(capture, Mapping) else ""
-    if seen in MODES:
-        return seen, " (as the profiler saw the run train)"
+    asked = str(config.get("precision", "")) if isinstance(config, Mapping) else ""
+    asked = asked if asked in MODES else ""
+    mode = precision_trained(summary, asked)
+    if mode in MODES and mode != asked:
+        return mode, (
+            f" (as the profiler saw the run train; {asked} was asked for)"
+            if asked
+            else " (as the profiler saw the run train)"
+        )
+    if asked:
+        return asked, ""
     return infer_mode(memory), " (inferred from dtypes)"
 
 

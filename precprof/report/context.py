@@ -126,7 +126,7 @@ def _verdict(
     if rec is None:
         return None
     fmt = str(rec.get("format") or "")
-    current = S.requested_precision(summary)
+    current = S.trained_precision(summary)
     # the run's training memory: precprof's own buffers and scratch are not part of what a format changes
     own = float((measured.get("components") or {}).get(T.PROFILER_BUFFERS) or 0.0)
     block = summary.get(T.SUMMARY_MEMORY)
@@ -247,7 +247,7 @@ def _skipped_said(summary: Mapping[str, Any], steps: pd.DataFrame) -> str:
 def _headline(summary: Mapping[str, Any], steps: pd.DataFrame, layers: pd.DataFrame) -> list[tuple[str, str]]:
     final = summary.get(T.SUMMARY_FINAL) or {}
     out: list[tuple[str, str]] = []
-    prec = S.requested_precision(summary)
+    prec = S.trained_precision(summary)
     if prec and S.precision_from_layers(summary):
         prec += " (read from the layers' dtypes)"
     if prec:
@@ -406,7 +406,7 @@ def overhead_parts(sampling: Mapping[str, Any]) -> list[str]:
 def heatmap_focus(summary: Mapping[str, Any], rec: Mapping[str, Any] | None) -> tuple[str, str]:
     """(format, why) whose losses choose the heatmaps' rows and fill their side panel: the run's own FP16 or FP8,
     else the recommended one, else FP16 (the format whose range is narrowest at scale 1)."""
-    ran = S.requested_precision(summary)
+    ran = S.trained_precision(summary)
     if ran.startswith("fp8"):
         return "fp8", "this run trained in FP8"
     if ran.startswith("fp16"):
@@ -626,7 +626,7 @@ def _fp16_already(layers: pd.DataFrame) -> list[dict[str, Any]]:
 def _memory(tables: Mapping[str, pd.DataFrame], summary: Mapping[str, Any]) -> dict[str, Any]:
     measured = M.measured_memory(tables["memory"])
     records = M.memory_records(summary)
-    fig = plots.memory_figure(measured, records, S.requested_precision(summary))
+    fig = plots.memory_figure(measured, records, S.trained_precision(summary))
     mem = summary.get(T.SUMMARY_MEMORY)
     mem = mem if isinstance(mem, Mapping) else {}
     claim = mem.get("textbook_claim")
@@ -914,7 +914,7 @@ def build_context(
         # the verdict planned for another machine (precprof report --target): the header says so
         "planned_for": target if target and recorded_on and target.lower() not in recorded_on else "",
         # a run killed before its first forward pass names no precision: the model alone
-        "title": " · ".join(filter(None, (model, S.requested_precision(summary)))),
+        "title": " · ".join(filter(None, (model, S.trained_precision(summary)))),
         "version": __version__,
         "generated": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "sections": SECTIONS,

@@ -470,14 +470,22 @@ def requested_precision(summary: Mapping[str, Any]) -> str:
     return _asked_precision(summary) or (str(seen) if seen else "")
 
 
+def trained_precision(summary: Mapping[str, Any]) -> str:
+    """The precision mode the run trained in (``taxonomy.precision_trained``), what the title, the header, the
+    heatmaps and the memory section call the run's: the one the profiler saw where the run's framework ignored
+    the one asked for (accelerate's fp16 on a CPU trains in fp32; the page called the run fp16), else the one it
+    asked for; "" when neither is known. Only the precision check speaks of the request (``precision_check``)."""
+    return taxonomy.precision_trained(summary, _asked_precision(summary))
+
+
 def precision_from_layers(summary: Mapping[str, Any]) -> bool:
-    """Whether ``requested_precision`` is the one the layers' dtypes show (``taxonomy.with_precision_seen``: a run
+    """Whether ``trained_precision`` is the one the layers' dtypes show (``taxonomy.with_precision_seen``: a run
     killed before it saved, whose first summary names none), not one the run said."""
     capture = summary.get(T.SUMMARY_CAPTURE) or {}
     from_layers = (
         isinstance(capture, Mapping) and capture.get("precision_from") == taxonomy.PRECISION_FROM_LAYERS
     )
-    return from_layers and not _asked_precision(summary)
+    return from_layers and trained_precision(summary) != _asked_precision(summary)
 
 
 def asked_as(summary: Mapping[str, Any]) -> str:

@@ -497,8 +497,8 @@ def _kept_said(plan: _Plan, cfg: AdvisorConfig, fmt: str, keep: list[str]) -> li
 
 
 def _runs_fp16(run: _Run) -> bool:
-    """Whether the run itself trained in fp16: asked for by name; for a loop that names no precision (the user's
-    own), the fp16 mode the profiler saw (autocast, or a model cast to fp16: "fp16-pure"), fp16 autocast seen or
+    """Whether the run itself trained in fp16: asked for by name and seen (``precision_trained``: accelerate's fp16 on a
+    CPU trains in fp32); for a loop that names no precision (the user's own), the fp16 mode the profiler saw (autocast, or a model cast to fp16: "fp16-pure"), fp16 autocast seen or
     an enabled scaler. A run that asked for another precision did not, whatever scaler it kept (``--precision
     fp32 --loss-scale dynamic`` scales fp32 gradients)."""
     if run.precision_trained:

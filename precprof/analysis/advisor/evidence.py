@@ -239,10 +239,10 @@ class _Run:
 
     @property
     def precision_trained(self) -> str:
-        """The mode it asked for, else the one the profiler saw it train in (``Profiler.precision_seen``)."""
-        capture = self.summary.get(T.SUMMARY_CAPTURE) or {}
-        seen = capture.get("precision_seen") if isinstance(capture, Mapping) else None
-        return self.precision or str(seen or "").lower()
+        """The mode it trained in (``taxonomy.precision_trained``): the one the profiler saw it train in
+        (``Profiler.precision_seen``) where it asked for none or the framework trained in another (accelerate's fp16
+        on a CPU trains in fp32), else the one it asked for."""
+        return taxonomy.precision_trained(self.summary, self.precision).lower()
 
     @property
     def fp8_scaling(self) -> dict[str, str]:
