@@ -8,11 +8,12 @@ for. The child is a process of its own, as a fresh Python is: its own pid, signa
 (``sys.exit``'s, 1 after an uncaught exception, -SIGNUM when a signal ended it, -2 after an uncaught
 KeyboardInterrupt), its own stdin/stdout/stderr (pipes, as ``subprocess.PIPE`` makes), environment, working
 directory, ``sys.argv`` and ``sys.path[0]``; the interpreter's own end (atexit, the wait for its threads). What
-differs from a fresh Python: torch and precprof's package are imported before the command runs (a test of what
-happens while they load starts a real Python), the random seeds of hash() and numpy are the server's, and torch's
-C++ log level (``TORCH_CPP_LOG_LEVEL``, read as torch loads) is ERROR where the child's environment names none, as
-``python -m precprof`` sets it before it loads torch: one server serves the commands and the scripts of a worker
-(a second cost 3-4 s of CPU), and a script's child prints none of c10's C++ warnings (Python's warnings it does).
+differs from a fresh Python: torch, precprof's package and the libraries of ``_PRELOAD`` are imported before the
+command runs (a test of what happens while they load starts a real Python), the random seeds of hash() and numpy
+are the server's, and torch's C++ log level (``TORCH_CPP_LOG_LEVEL``, read as torch loads) is ERROR where the
+child's environment names none, as ``python -m precprof`` sets it before it loads torch: one server serves the
+commands and the scripts of a worker (a second cost 3-4 s of CPU), and a script's child prints none of c10's C++
+warnings (Python's warnings it does).
 
 ``popen`` and ``run`` take ``subprocess.Popen``'s and ``subprocess.run``'s arguments; a command they cannot start
 as a fork (not ``sys.executable`` with ``-m``, ``-c`` or a script, an interpreter option, or an environment that
@@ -22,6 +23,7 @@ the server to be right."""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import locale
 import os
@@ -75,6 +77,23 @@ def _import_env(env: dict[str, str]) -> tuple[tuple[str, str], ...]:
 
 
 # ------------------------------------------------------------------------------------------------ the server
+# Imported by the server after torch and precprof: the libraries of precprof's commands and pages that start no
+# thread as they load (pandas does: Arrow's allocator), 0.5 s of CPU less in each child that reports or runs a
+# command. Each reads its settings from the environment (a server's own: see ``_import_env``) or when used,
+# except matplotlib, which reads a ``matplotlibrc`` in the working directory as it loads: the server's, never
+# a child's (no test writes one).
+_PRELOAD = (
+    "matplotlib",
+    "matplotlib.pyplot",
+    "matplotlib.backends.backend_agg",
+    "jinja2",
+    "typer",
+    "rich.console",
+    "PIL.Image",
+    "tqdm",
+)
+
+
 def _threads() -> int:
     try:
         return len(os.listdir("/proc/self/task"))  # native threads too (Arrow's allocator starts one)
@@ -89,6 +108,9 @@ def _serve(sock: socket.socket) -> dict[str, Any]:
     import precprof  # noqa: F401
 
     torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)  # (imports torch._dynamo)
+    for name in _PRELOAD:  # what every command and report imports next, where it starts no thread
+        with contextlib.suppress(ImportError):
+            __import__(name)
     # woken by a child's end (SIGCHLD, through the wakeup pipe) or a request, never polling
     woken, wake = os.pipe()
     os.set_blocking(wake, False)
@@ -342,6 +364,8 @@ def popen(args: list[str], **kwargs: Any) -> Any:
             ours.append(fd)
         elif how is None:
             fds.append(i)
+        elif how == subprocess.STDOUT and i == 2:  # stderr into whatever stdout is
+            fds.append(fds[1])
         else:
             fds.append(how if isinstance(how, int) else how.fileno())
     cwd = str(kwargs.get("cwd") or os.getcwd())
