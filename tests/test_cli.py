@@ -16,6 +16,7 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
+import forks
 import pytest
 
 from precprof import cli
@@ -623,8 +624,15 @@ def test_summary_and_compare_json_are_standard_json_read_as_before(
         m.setattr(runfiles, "json_text", old_writer)
         for out in runs:
             config = TrainConfig(
-                steps=3, batch_size=2, seq_len=8, device="cpu", progress=False, report=False, out=out
-            )  # (pages() renders the page it reads)
+                model_args={"n_layer": "1"},
+                steps=3,
+                batch_size=2,
+                seq_len=8,
+                device="cpu",
+                progress=False,
+                report=False,
+                out=out,
+            )  # (pages() renders the page it reads; one layer: a quarter of the rows to sample and draw)
             train(dataclasses.replace(config, precision=out.name))
         before = pages()
     for out in runs:
@@ -920,9 +928,11 @@ def test_help_reads_cleanly(
 def test_progress_in_a_log_file_is_plain_lines(tmp_path: Path) -> None:
     # no TTY: a line about every 10% of the steps, not a carriage-return update per step
     log = tmp_path / "log.txt"
-    args = [*TINY, "--steps", "30", "--progress", "--no-report", "-a", "n_layer=1"]
+    # (a step in ten sampled: which steps are sampled is not what the lines are about; a fork of the preloaded
+    # Python, tests/forks.py, whose stdout and stderr are the file, as a fresh process's are)
+    args = [*TINY, "--steps", "30", "--sample-every", "10", "--progress", "--no-report", "-a", "n_layer=1"]
     with log.open("wb") as f:
-        rc = subprocess.run(
+        rc = forks.run(
             [sys.executable, "-m", "precprof", "train", "--out", str(tmp_path / "run"), *args],
             stdout=f,
             stderr=subprocess.STDOUT,
@@ -1084,14 +1094,18 @@ def test_without_the_progress_bar_the_fp16_emulation_note_is_still_printed(
 def test_train_and_compare_print_nothing_of_torch_s_own(tmp_path: Path) -> None:
     """Every `precprof train` on a CPU printed torch's CPUAllocator.cpp:245 warning (the memory profiler of a
     sampled step sees a block freed that was allocated before it started), and `compare` two Kineto lines
-    (USDT ... profiler_start/stop) per sampled step."""
+    (USDT ... profiler_start/stop) per sampled step.
+
+    train runs in a fresh Python: c10's log level is read as torch loads, which a fork of tests/forks.py's
+    preloaded Python has done (at ERROR). Kineto's is read when the first profiler starts: compare's runs are a
+    fork's, which starts its first profiler as a fresh process does."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     common = ["--steps", "4", "--sample-every", "2", "--device", "cpu", "--no-progress", "--no-report"]
-    for args in (
-        ["train", "--out", str(tmp_path / "run"), "--batch-size", "8", "--seq-len", "64"],
-        ["compare", "--out", str(tmp_path / "cmp"), "--precisions", "fp32,bf16", *TINY],
+    for start, args in (
+        (subprocess.run, ["train", "--out", str(tmp_path / "run"), "--batch-size", "8", "--seq-len", "64"]),
+        (forks.run, ["compare", "--out", str(tmp_path / "cmp"), "--precisions", "fp32,bf16", *TINY]),
     ):
-        res = subprocess.run(
+        res = start(  # type: ignore[operator]
             [sys.executable, "-m", "precprof", *args, *common],
             capture_output=True,
             text=True,
