@@ -9,12 +9,12 @@ import os
 import re
 import shutil
 import signal
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 from typing import Any
 
+import forks
 import pytest
 import torch
 
@@ -25,6 +25,10 @@ from precprof import tables as T
 from precprof.analysis import comparison as A
 from precprof.errors import RunNotSavedWarning
 from precprof.training import Callback, TrainConfig, train
+
+# the tests that read the module's fixtures' runs share one pytest-xdist worker, which trains them once (each
+# worker given one of them trained them again: 5 s of CPU)
+RUNS = pytest.mark.xdist_group("compare-runs-read")
 
 
 def _config(**kw: Any) -> TrainConfig:
@@ -80,13 +84,13 @@ def fp32_and_killed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Pat
     train(_config(steps=8, out=root / "fp32"))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), *sys.path])}
     threads = str(torch.get_num_threads())
-    res = subprocess.run(
-        [sys.executable, "-c", KILLED, str(root / "bf16"), threads], env=env, capture_output=True
-    )
+    # a fork of the preloaded Python (tests/forks.py), killed by a real SIGKILL as a fresh process is
+    res = forks.run([sys.executable, "-c", KILLED, str(root / "bf16"), threads], env=env, capture_output=True)
     assert res.returncode == -signal.SIGKILL, res.stderr.decode()[-2000:]
     return root / "fp32", root / "bf16"
 
 
+@RUNS
 def test_a_killed_run_is_read_as_its_report_reads_it(
     fp32_and_killed: tuple[Path, Path], tmp_path: Path
 ) -> None:
@@ -116,6 +120,7 @@ def fp32_and_bf16(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]
     return root / "fp32", root / "bf16"
 
 
+@RUNS
 def test_a_run_without_its_steps_table_is_named_not_failed(
     fp32_and_bf16: tuple[Path, Path], tmp_path: Path
 ) -> None:
@@ -142,6 +147,7 @@ def test_a_run_without_its_steps_table_is_named_not_failed(
     assert "missing from its run directory: steps.parquet" in text
 
 
+@RUNS
 def test_a_run_without_summary_json_is_said_to_have_none(
     fp32_and_bf16: tuple[Path, Path], tmp_path: Path
 ) -> None:
@@ -172,6 +178,7 @@ def _headline(html: str) -> str:
     )
 
 
+@RUNS
 def test_runs_that_stopped_early_or_ran_fewer_steps_confirm_nothing(
     fp32_and_killed: tuple[Path, Path], fp32_and_bf16: tuple[Path, Path], tmp_path: Path
 ) -> None:
@@ -201,6 +208,7 @@ def test_runs_that_stopped_early_or_ran_fewer_steps_confirm_nothing(
         assert ("stopped after" in headline) == (other == killed_dir), headline
 
 
+@RUNS
 def test_a_run_that_trained_every_step_and_lost_its_report_is_compared_as_whole(
     fp32_and_bf16: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -233,6 +241,7 @@ def test_a_run_that_trained_every_step_and_lost_its_report_is_compared_as_whole(
     assert not any("stopped" in text or "not whole runs" in text for _, text in lines), lines
 
 
+@RUNS
 def test_the_terminal_says_the_notes_its_check_lines_do_not(
     fp32_and_killed: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -356,6 +365,7 @@ def test_a_run_stopped_after_one_step_reads_as_english(tmp_path: Path) -> None:
     assert f"the partial run is in {tmp_path} (1 finished step)\n" in cli._saved(tmp_path)
 
 
+@RUNS
 def test_a_diverged_run_sets_no_common_step_and_hides_no_miss(
     fp32_and_killed: tuple[Path, Path], tmp_path: Path
 ) -> None:
