@@ -542,10 +542,13 @@ def test_a_report_while_attached_is_a_snapshot_and_the_run_streams_on(tmp_path: 
                             f"{out} is still recording: this report is a snapshot as of step {step}" in html
                         )
                         assert 'id="cut-off"' not in html and 'id="incomplete"' not in html
-        prof.report()
+        if look:  # (the run that never looked is only the tables to compare with: its page is not read)
+            prof.report()
+            html = (out / T.REPORT_FILE).read_text()
+            assert 'id="live"' not in html and "still recording" not in html
+        else:
+            prof.save()
         assert not parts.has_stream(out) and T.read_summary(out)[T.SUMMARY_STATUS] == T.STATUS_COMPLETE
-        html = (out / T.REPORT_FILE).read_text()
-        assert 'id="live"' not in html and "still recording" not in html
         return T.read_tables(out), losses
 
     looked, losses = run(tmp_path / "looked", look=True)
@@ -844,6 +847,8 @@ def test_the_report_drawn_from_histogram_totals_is_the_same_page(tmp_path: Path,
     totals = T.read_run(tmp_path, categorical=True, histogram_totals=True)
     assert totals.tables["histograms"].empty and len(totals.histogram_totals)
     assert page(totals) == page(T.read_run(tmp_path))
+    if mode != "fp16":
+        return  # (the stream below is the same run in either mode)
 
     tiny_run(tmp_path / "run", 5)  # never saved: read from its parts
     assert parts.has_stream(tmp_path / "run")
@@ -1499,7 +1504,7 @@ for _ in range(20):
 model = nn.Sequential(*layers, nn.Linear(32, 1))
 opt = torch.optim.SGD(model.parameters(), lr=1e-3)
 with precprof.Profiler(model, optimizer=opt, sample_every=1, memory=False, out=tempfile.mkdtemp() + "/r") as prof:
-    for _ in range(150):
+    for _ in range(100):
         model(torch.randn(8, 32)).square().mean().backward()
         opt.step()
         opt.zero_grad()
@@ -1513,8 +1518,8 @@ print(rss() - before)
 def test_a_long_runs_save_gives_its_memory_back() -> None:
     """The save of a long streamed run reads every part into pandas; what Arrow's pool and malloc kept of it
     stayed resident for the rest of the training process (850 MB after a 3,000-sampled-step run, in a user's
-    test). Given back: 300 sampled steps of 41 modules kept 299 MB without it, 76 MB with it; the 150 steps
-    here keep 90-130 MB without it, 15-35 MB with it."""
+    test). Given back: 300 sampled steps of 41 modules kept 299 MB without it, 76 MB with it; the 100 steps
+    here keep 95-120 MB without it, under 10 MB with it (150 steps cost 3 s more of CPU and kept 15-35 MB)."""
     if not Path("/proc/self/status").exists():
         pytest.skip("needs /proc")
     grown = {}
