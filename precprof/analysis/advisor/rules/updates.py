@@ -268,6 +268,27 @@ def _what_if_remedy(run: _Run, fmt: str, pure: str, weights: pd.Series) -> str:
     )
 
 
+def _intended_said(counts: tuple[float, float, float], sampled_words: str, what: str) -> str:
+    """The lost-update findings' first words: how many of the intended weight-update elements (``counts``: lost,
+    intended, their share) did ``what`` ("left their bf16 weight unchanged"), estimated over the parameters' sizes
+    where ``sampled_words`` says how (``_sampled_words``), else counted."""
+    lost, nz, share = counts
+    if sampled_words:
+        return (
+            f"On sampled steps, an estimated {_pct(share)} of the intended weight-update elements (a nonzero "
+            f"gradient or a moved weight) {what}{sampled_words}"
+        )
+    return (
+        f"On sampled steps, {int(lost):,} of {int(nz):,} intended weight-update elements ({_pct(share)}; a "
+        f"nonzero gradient or a moved weight) {what}"
+    )
+
+
+def _worst_said(worst: list[str], by_share: pd.Series) -> str:
+    """ "; worst: fc1 12.5%, ..." of the layers ``_worst`` listed ("" for none)."""
+    return "; worst: " + ", ".join(f"{_name(m)} {_pct(float(by_share[m]))}" for m in worst) if worst else ""
+
+
 def _rule_lost_updates(run: _Run, plan: _Plan) -> None:
     cfg = run.cfg
     wu = run.kind(T.WEIGHT_UPDATE)
@@ -340,13 +361,7 @@ def _rule_lost_updates(run: _Run, plan: _Plan) -> None:
                 f"{_pct(share)} of {'the finite ' if nonfinite_nums else ''}weight updates vanish with {fmt} master "
                 "weights",
                 (
-                    (
-                        f"On sampled steps, an estimated {_pct(share)} of the intended weight-update elements (a "
-                        f"nonzero gradient or a moved weight) left their {fmt} weight unchanged{sampled_words}"
-                        if sampled_words
-                        else f"On sampled steps, {int(lost):,} of {int(nz):,} intended weight-update elements "
-                        f"({_pct(share)}; a nonzero gradient or a moved weight) left their {fmt} weight unchanged"
-                    )
+                    _intended_said((lost, nz, share), sampled_words, f"left their {fmt} weight unchanged")
                     + f": the update is smaller than half a {fmt} ulp of the weight (relative resolution "
                     f"{resolution}) and this "
                     + (
@@ -369,14 +384,7 @@ def _rule_lost_updates(run: _Run, plan: _Plan) -> None:
                     + f" are smaller than half a {fmt} ulp of their weight (relative resolution "
                     f"{resolution}) and would be lost if the weights were held in {fmt}"
                 )
-                + (
-                    "; worst: "
-                    + ", ".join(
-                        f"{_name(m)} {_pct(float(by_share[m]))}" for m in worst[: cfg.max_listed_modules]
-                    )
-                    if worst
-                    else ""
-                )
+                + _worst_said(worst, by_share)
                 + ". Mixed Precision Training (2018) keeps an fp32 master copy for this reason."
                 + (_carry_caveat(carry) if is_pure else "")
                 + fp32_words
@@ -471,22 +479,11 @@ def _add_carried(
             INFO,
             f"{_pct(share)} of weight updates did not move their {fmt} weight on their step ({classes} carries "
             "them)",
-            (
-                f"On sampled steps, an estimated {_pct(share)} of the intended weight-update elements (a nonzero "
-                f"gradient or a moved weight) left their {fmt} weight unchanged on their step{sampled_words}"
-                if sampled_words
-                else f"On sampled steps, {int(lost):,} of {int(nz):,} intended weight-update elements "
-                f"({_pct(share)}; a nonzero gradient or a moved weight) left their {fmt} weight unchanged on their "
-                "step"
-            )
+            _intended_said(counts, sampled_words, f"left their {fmt} weight unchanged on their step")
             + f": the update is smaller than half a {fmt} ulp of the weight (relative resolution "
             f"{'2^-8' if fmt == 'bf16' else '2^-11'}) and this run holds its weights in {fmt}"
             + _since_words(held_rows, since, fmt, held)
-            + (
-                "; worst: " + ", ".join(f"{_name(m)} {_pct(float(by_share[m]))}" for m in worst)
-                if worst
-                else ""
-            )
+            + _worst_said(worst, by_share)
             + ". They are not lost: "
             + "; ".join(f"{cls} {how}" for cls, how in carry.carried)
             + ". The share counts the steps on which an update did not move its weight, not updates lost."
@@ -536,21 +533,11 @@ def _rule_fp32_lost_updates(run: _Run, plan: _Plan) -> None:
             "fp32_lost_updates",
             WARNING,
             f"{_pct(share)} of weight updates do not change the run's fp32 weights",
-            (
-                f"On sampled steps, an estimated {_pct(share)} of the intended weight-update elements (a nonzero "
-                f"gradient or a moved weight) left their fp32 weight unchanged{sampled_words}"
-                if sampled_words
-                else f"On sampled steps, {int(lost):,} of {int(nz):,} intended weight-update elements "
-                f"({_pct(share)}; a nonzero gradient or a moved weight) left their fp32 weight unchanged"
-            )
+            _intended_said((lost, nz, share), sampled_words, "left their fp32 weight unchanged")
             + ", measured in the weights this run holds: the update is smaller than half an fp32 ulp of the weight "
             "(relative resolution 2^-24), so "
             "these weights do not train"
-            + (
-                "; worst: " + ", ".join(f"{_name(m)} {_pct(float(by_share[m]))}" for m in worst)
-                if worst
-                else ""
-            )
+            + _worst_said(worst, by_share)
             + (
                 f". The update-to-weight ratio ||dw|| / ||w|| has a median of {median:.2g} over the layers"
                 # Adam's yardstick, for a run that trains with an Adam (an SGD run's ratio follows its learning rate)
