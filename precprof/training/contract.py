@@ -59,9 +59,8 @@ def check_forward(
         raise forward_failed(built, e, (batch_size, seq_len), vocab_size) from e
 
 
-_MODULE_FILE = inspect.getfile(
-    nn.Module
-)  # the file of torch's module call (``model(x)`` runs forward from there)
+# the file of torch's module call (``model(x)`` runs forward from there)
+_MODULE_FILE = inspect.getfile(nn.Module)
 
 
 def raised_in_forward(e: BaseException) -> bool:
