@@ -82,6 +82,10 @@ SOURCE_LIGHTNING = "lightning.Trainer"
 SOURCE_TRANSFORMERS = "transformers.Trainer"
 CALLBACK_SOURCES = frozenset({SOURCE_LIGHTNING, SOURCE_TRANSFORMERS})
 
+# capture.loop_order's kind of a sampled step whose optimizer stepped before the model's forward
+# (``capture/loop_order.py``): its weight-update rows are the step before's update
+LOOP_BEFORE_FORWARD = "optimizer_before_forward"
+
 
 def sample_every_setting(cfg: Mapping[str, Any], n: str = "N") -> str:
     """The setting of a sampling interval ``n`` as the run ``cfg`` (its summary's config) sets it: ``--sample-every

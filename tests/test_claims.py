@@ -529,12 +529,12 @@ def test_prof_step_per_micro_batch_is_told(tmp_path: Path, per_micro_batch: bool
 
 
 def _accumulating_run(
-    out: Path, scaler: Any, loss_of: Any, micro_batches: int = 6
+    out: Path, scaler: Any, loss_of: Any, micro_batches: int = 6, late: bool = False
 ) -> tuple[list[int], list[float]]:
     """Optimizer steps of 3 micro-batches each, ``prof.step()`` after every micro-batch (the optimizer steps after
-    the third, before its prof.step(), as under accelerate's ``accumulate``); ``loss_of(model, micro, x, y)``
-    makes a micro-batch's loss. Returns the precprof steps at which the optimizer really stepped, and the loss
-    scale in effect at each."""
+    the third, before its prof.step(), as under accelerate's ``accumulate``; ``late``: after it, in the next
+    micro-batch's step before its forward); ``loss_of(model, micro, x, y)`` makes a micro-batch's loss. Returns the
+    precprof steps at which the optimizer really stepped, and the loss scale in effect at each."""
     torch.manual_seed(0)
     model = nn.Linear(16, 4)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -549,6 +549,9 @@ def _accumulating_run(
             loss = loss_of(model, micro, x, y)
             scales.append(scaler.get_scale() if scaler is not None else 1.0)
             (scaler.scale(loss) if scaler is not None else loss).backward()
+            if late:
+                prof.step(loss=loss.detach())
+                step[0] += 1
             if micro % 3 == 2:  # the third micro-batch: the optimizer steps
                 if scaler is None:
                     opt.step()
@@ -556,8 +559,9 @@ def _accumulating_run(
                     scaler.step(opt)
                     scaler.update()
                 opt.zero_grad()
-            prof.step(loss=loss.detach())
-            step[0] += 1
+            if not late:
+                prof.step(loss=loss.detach())
+                step[0] += 1
     prof.save()
     return at, scales
 
@@ -590,6 +594,24 @@ def test_nan_inf_at_a_micro_batch_is_not_said_of_an_optimizer_step(tmp_path: Pat
     assert "was not skipped for it" not in f.message
     assert "no optimizer step ran at step 0" in f.message
     assert f"the next optimizer step, at step {at[0]}, was not skipped" in f.message
+
+
+def _sqrt_at_three(model: nn.Linear, micro: int, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return _sqrt_at_zero(model, 0 if micro == 3 else 1, x, y)
+
+
+def test_nan_inf_after_a_late_optimizer_step_is_said_of_the_next_one(tmp_path: Path) -> None:
+    """``prof.step()`` per micro-batch with the optimizer stepping after it (tester h107): the step of micro-batch 3
+    records an optimizer step that ran before its forward, on micro-batches 0-2. An inf gradient at micro-batch 3
+    was said to be in a step whose "optimizer step was not skipped for it"; it went to the next optimizer step."""
+    with pytest.warns(UserWarning, match="stepped before the model's forward"):
+        at, _ = _accumulating_run(tmp_path / "run", None, _sqrt_at_three, micro_batches=9, late=True)
+    assert at == [3, 6, 9]  # independently, by the optimizer's own hook: before the forward of steps 3 and 6
+    f = {f.code: f for f in precprof.recommend(tmp_path / "run").findings}["nonfinite_backward"]
+    assert f.numbers["step"] == 3 and f.numbers["optimizer_step"] == 6
+    assert "was not skipped for it" not in f.message
+    assert "the optimizer step recorded at step 3 ran before its forward" in f.message
+    assert "the next optimizer step, at step 6, was not skipped" in f.message
 
 
 def test_an_overflow_at_a_micro_batch_is_the_skipped_optimizer_steps(tmp_path: Path) -> None:

@@ -32,6 +32,7 @@ from typing import Any
 
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from precprof import tables as T
 from precprof.capture.model_facts import optimizer_class
 
 # what can go wrong, as the summary names it (``capture.loop_order``)
@@ -40,7 +41,7 @@ UNFOLLOWED = (
 )
 SEVERAL = "several_optimizer_steps"  # one of the optimizers it follows stepped more than once in the step
 EMPTY = "empty_step"  # no forward, backward or optimizer step at all
-BEFORE_FORWARD = "optimizer_before_forward"  # an optimizer stepped before the step's forward
+BEFORE_FORWARD = T.LOOP_BEFORE_FORWARD  # an optimizer stepped before the step's forward
 
 ONCE_PER_STEP = "call prof.step() once per optimizer step, after optimizer.step()"
 _FIX = {

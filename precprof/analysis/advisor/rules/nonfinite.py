@@ -319,7 +319,11 @@ def _rule_nonfinite(run: _Run, plan: _Plan) -> set[int]:
     for step in sorted(int(s) for s in bwd[T.STEP].unique()):
         # a step without an optimizer step (a micro-batch, prof.step() called per micro-batch): its gradients
         # went to the next optimizer step, skipped or not
-        stepped = _next_optimizer_step(run, idle, step) if step in idle else step
+        late = step not in idle and _optimizer_before_forward(run, step)
+        if step in idle or late:
+            stepped = _next_optimizer_step(run, idle, step + 1 if late else step)
+        else:
+            stepped = step
         facts = _step_facts(run, streaks, stepped) if stepped is not None else _StepFacts(True, False, None)
         if facts.streak is not None:
             if not _scaler_cannot_fix(run, facts.streak):
@@ -345,7 +349,13 @@ def _rule_nonfinite(run: _Run, plan: _Plan) -> set[int]:
         skips, skip_nums = _skips(facts, step if stepped is None else stepped)
         nums.update(skip_nums)
         micro = ""
-        if stepped != step:
+        if late:
+            micro = (
+                f"; the optimizer step recorded at step {step} ran before its forward (prof.step() is called "
+                "before optimizer.step(), or once per micro-batch), so these gradients went to a later one"
+            )
+            nums["optimizer_step"] = stepped
+        elif stepped != step:
             micro = (
                 f"; no optimizer step ran at step {step} (prof.step() is called more often than the optimizer "
                 "steps: once per micro-batch)"
@@ -399,6 +409,16 @@ def _rule_nonfinite(run: _Run, plan: _Plan) -> set[int]:
             )
         )
     return fwd_steps
+
+
+def _optimizer_before_forward(run: _Run, step: int) -> bool:
+    """Whether the optimizer step recorded in ``step`` may have run before its forward, on the previous step's
+    gradients: the sampled steps saw an optimizer step before the forward (``capture.loop_order``,
+    ``capture/loop_order.py``: ``prof.step()`` called before ``optimizer.step()``, or once per micro-batch) from
+    a step no later than ``step`` on (the summary counts those steps, it does not list them)."""
+    order = (run.summary.get(T.SUMMARY_CAPTURE) or {}).get("loop_order") or {}
+    first = (order.get(T.LOOP_BEFORE_FORWARD) or {}).get("first_step") if isinstance(order, dict) else None
+    return isinstance(first, int) and first <= step
 
 
 def _next_optimizer_step(run: _Run, idle: set[int], step: int) -> int | None:
