@@ -27,17 +27,30 @@ def _mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 8))
 
 
-def _train(model: nn.Module, batches: list[int], **kw: object) -> Profiler:
+def _train(
+    model: nn.Module, batches: list[int], evals: dict[tuple[int, str], int] | None = None, **kw: object
+) -> Profiler:
+    """``evals``: (step, "before" or "after" its training) -> the batch of a validation loss with grad on in
+    eval mode (``model.eval()`` without ``no_grad``) run there, before ``prof.step()``."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     prof = Profiler(model, optimizer=opt, block_formats=False, **kw)  # type: ignore[arg-type]
     gen = torch.Generator().manual_seed(1)
+
+    def evaluate(step: int, where: str) -> None:
+        if (b := (evals or {}).get((step, where))) is not None:
+            model.eval()
+            model(torch.randn(b, 16)).square().mean().item()
+            model.train()
+
     with prof:
-        for b in batches:
+        for step, b in enumerate(batches):
+            evaluate(step, "before")
             x = torch.randn(b, 16, generator=gen)
             loss = model(x).square().mean()
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
+            evaluate(step, "after")
             prof.step(loss=loss.detach())
     return prof
 
@@ -110,6 +123,39 @@ def test_new_shapes_are_measured_in_the_step_that_runs_them() -> None:
     assert acts[3] == 2 * acts[1] and acts[7] == acts[1] // 2  # activations scale with the batch
     info = some.summary()["memory_steps"]
     assert info["measured_for_new_shapes"] == [3, 7]
+
+
+@pytest.mark.parametrize("where", ["after", "before"])
+def test_an_evaluation_with_grad_on_is_not_measured_for_its_shapes(where: str) -> None:
+    """A validation loss in eval mode with grad on (``model.eval()`` without ``no_grad``) on a batch of 7 where
+    training runs 4, at step 3, which is not due to measure memory. The capture ignores it; the memory schedule
+    watched it: after the step's training it armed the tracker, and step 3's rows were the evaluation's
+    (activations of 7 samples, no gradients), listed as measured for new shapes; before it, the rows were the
+    training's but the step was listed all the same. Step 3 is not measured, and the evaluation's shapes are
+    not known: a training step of batch 7 (step 5) is measured for them."""
+    base = _mlp()
+    batches = [4, 4, 4, 4, 4, 7]
+    prof = _train(copy.deepcopy(base), batches, {(3, where): 7}, sample_every=1, memory_every=10)
+    every = _train(copy.deepcopy(base), batches, sample_every=1, memory_every=1)
+    mem, mem_all = prof.tables()["memory"], every.tables()["memory"]
+    summary = prof.summary()
+    assert summary["eval_forwards_ignored"] == 3  # the evaluation, left out of the statistics
+    assert sorted(set(mem[T.STEP])) == [0, 1, 5]
+    assert summary["memory_steps"]["measured_for_new_shapes"] == [5]
+    assert summary["memory_steps"]["measured_steps"] == 3
+    for step in (0, 1, 5):
+        assert _rows(mem, step) == _rows(mem_all, step)
+    acts = mem[mem[T.COMPONENT] == T.ACTIVATIONS].groupby(T.STEP)[T.BYTES].sum()
+    assert acts[5] == acts[1] * 7 // 4
+
+
+def test_a_loop_that_trains_in_eval_mode_is_measured_for_new_shapes() -> None:
+    """The evaluation rule leaves a step whose forwards all run in eval mode (BatchNorm and dropout frozen) to
+    its training: its new shapes are measured."""
+    model = _mlp().eval()
+    prof = _train(model, [4, 4, 4, 8], sample_every=1, memory_every=10)
+    assert prof.summary()["memory_steps"]["measured_for_new_shapes"] == [3]
+    assert prof.summary()["eval_forwards_ignored"] == 0
 
 
 def test_without_watching_shapes_the_cadence_alone_decides() -> None:

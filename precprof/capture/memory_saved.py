@@ -32,7 +32,7 @@ from precprof.capture.storage import (
     is_weight_copy,
     span,
 )
-from precprof.capture.training_forward import runs_aside
+from precprof.capture.training_forward import evaluated_before, is_evaluation, runs_aside
 from precprof.tables import LOSS_SCOPE
 
 # why a run's saved activations were not measured (``model_facts``, the report's memory section)
@@ -286,9 +286,9 @@ class SavedActivations:
         first = module is not None and self._step_mode is None
         if first:
             self._step_mode = self.model.training
-        elif module is not None and self._step_mode is False and self.model.training:
+        elif module is not None and evaluated_before(self._step_mode, self.model.training, self.read_back):
             self._evaluation_before_training()
-        if self._step_mode and not self.model.training:
+        if is_evaluation(self._step_mode, self.model.training):
             return False
         self._mark_phase(T.PHASE_FORWARD)
         if first and not self._step_mode:
@@ -304,17 +304,21 @@ class SavedActivations:
         return True
 
     def _evaluation_before_training(self) -> None:
-        """A forward in train mode after the step's first ran in eval mode: when no backward read what those saved,
-        they were an evaluation before the step's training (a validation with grad on at the step's start), not
-        a loop that trains in eval mode. What they saved is not the step's (it was counted with the training's,
-        as one forward), and the step's time so far, the evaluation's batch made included, is an evaluation's
-        phase, off the step's peak (as in ``not_training``; its 4096-row batch was the step's peak)."""
-        if self._unpacks != self._eval_unpacks:
-            return
+        """A forward in train mode after the step's first ran in eval mode, and no backward read what those
+        saved (``evaluated_before``): they were an evaluation before the step's training (a validation with
+        grad on at the step's start), not a loop that trains in eval mode. What they saved is not the step's
+        (it was counted with the training's, as one forward), and the step's time so far, the evaluation's
+        batch made included, is an evaluation's phase, off the step's peak (as in ``not_training``; its
+        4096-row batch was the step's peak)."""
         self._step_mode = True
         self._groups, self._input_keys = [], set()
         self._peak.segments[:] = [T.PHASE_OUTSIDE] * len(self._peak.segments)
         self._counts.relabel(T.PHASE_OUTSIDE)
+
+    def read_back(self) -> bool:
+        """Whether a backward pass read back what the step's forwards saved since its first began in eval mode
+        (they trained: a loop that trains in eval mode), as far as this step's measure saw."""
+        return self._unpacks != self._eval_unpacks
 
     def _stop_recording(self) -> None:
         if self._recording:

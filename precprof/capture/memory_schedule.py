@@ -14,6 +14,17 @@ compiled model's other steps run without it, as they run without the tracker's h
 measured step had, it arms the tracker there, before any submodule ran (``arm``): the step is measured from its
 forward on. Under torch.distributed every rank must measure the same steps (their rows are reduced together),
 so there the shapes are not watched: the cadence alone decides, the same on every rank.
+
+The watch reads the step's training forward only, by the rule the rest of the capture leaves evaluations
+out by (``is_evaluation`` and ``evaluated_before`` of ``capture/training_forward.py``): a forward under
+``no_grad``, or with grad on in eval mode after the step's forward in train mode (a validation loss after
+``opt.step()``, ``model.eval()`` without ``no_grad``), is not read. Its batch of other shapes had armed the
+tracker, and the step's memory rows were the evaluation's (its activations, no gradients), listed as
+measured for new shapes. A forward in eval mode that begins the step may be either (a validation at the
+step's start, or a loop that trains in eval mode): it is watched, and when a forward in train mode follows
+before any backward it was an evaluation after all. Its shapes are then forgotten (a training step of those
+shapes is measured for them), and a step that was measured from the evaluation's forward on for them alone
+keeps no memory rows and is not counted as measured, unless its training's own shapes are new.
 """
 
 from __future__ import annotations
@@ -27,6 +38,7 @@ from torch import nn
 
 from precprof import _compat
 from precprof.capture.storage import _tensors_in
+from precprof.capture.training_forward import evaluated_before, is_evaluation
 
 FIRST = 2  # the first sampled steps, always measured
 MAX_SIGNATURES = 4096  # input signatures remembered; past this many the set starts again
@@ -59,9 +71,15 @@ class MemorySchedule:
         self.new_shapes: list[int] = []  # ... of them, measured for their new shapes (not due by the cadence)
         self.measuring = False  # the step in progress is measured
         self._for_shapes = False  # ... because its inputs had new shapes
+        self._due = False  # ... because the cadence says so
+        self._for_evaluation = False  # ... only because of an evaluation's shapes (its rows are not kept)
         self._begun = 0  # sampled steps begun (the cadence counts them)
         self._arm: Callable[[nn.Module, Any, Any], None] | None = None
+        # whether a backward read what the step's forwards saved (the tracker's, while it measures)
+        self._trained: Callable[[], bool] | None = None
+        self._mode: bool | None = None  # the mode of the step's first forward with grad (``is_evaluation``)
         self._known: set[tuple[Any, ...]] = set()
+        self._new: list[tuple[Any, ...]] = []  # the signatures first seen in the step in progress
         self._handle: Any = None
         self._watched: nn.Module | None = None  # the model the watch is on (``_handle``)
         self._armed = False
@@ -73,11 +91,13 @@ class MemorySchedule:
         sampled: bool,
         model: nn.Module | None = None,
         arm: Callable[[nn.Module, Any, Any], None] | None = None,
+        trained: Callable[[], bool] | None = None,
     ) -> bool:
         """Start ``step``: True when it is sampled and due to measure memory. On sampled steps the input watch
         goes onto ``model``'s root (active until :meth:`pause`); on the others it comes off.
         ``arm(root, args, kwargs)`` starts measuring mid-step, from the root's forward pre-hook, when the inputs'
-        shapes are new."""
+        shapes are new; ``trained()``, asked while the step is measured, says whether a backward read what its
+        forwards saved (``evaluated_before``)."""
         again = sampled and step == self._step >= 0  # (a re-plan arms the step in progress once more)
         self._step = step if sampled else -1  # the sampled step in progress
         if not sampled:
@@ -87,9 +107,10 @@ class MemorySchedule:
         if not again:
             self._begun += 1
         k = self._begun - 1
-        self.measuring = self.every == 1 or k < FIRST or (k - 1) % self.every == 0
-        self._for_shapes = False
-        self._arm = arm
+        self.measuring = self._due = self.every == 1 or k < FIRST or (k - 1) % self.every == 0
+        self._for_shapes = self._for_evaluation = False
+        self._mode, self._new = None, []
+        self._arm, self._trained = arm, trained
         if self.watch_shapes and self.every > 1 and model is not None:
             if self._handle is None:
                 self._watch(model)
@@ -120,7 +141,7 @@ class MemorySchedule:
     def unwatch(self) -> None:
         """The watch comes off, and the schedule lets go of ``arm`` (a tracker's bound method: no cycle)."""
         self._armed = False
-        self._arm = None
+        self._arm = self._trained = None
         self._watched = None
         if self._handle is not None:
             self._handle.remove()
@@ -129,27 +150,60 @@ class MemorySchedule:
     def _hook(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         if not self._armed or not torch.is_grad_enabled():
             return None
+        training = module.training
+        if self._mode is None:
+            self._mode = training
+        elif evaluated_before(self._mode, training, self._read_back):
+            self._evaluated()
+        if is_evaluation(self._mode, training):
+            return None  # an evaluation with grad on: its shapes are not the training's
         sig = signature(args, kwargs)
         if sig in self._known:
             return None
         if len(self._known) >= MAX_SIGNATURES:
             self._known.clear()
+            self._new.clear()
         self._known.add(sig)  # measured in this step: known from here on
-        if not self.measuring and self._arm is not None:
-            self.measuring = self._for_shapes = True
-            self._arm(module, args, kwargs)
+        self._new.append(sig)
+        if not self._due and self._arm is not None:
+            self._for_shapes, self._for_evaluation = True, False
+            if not self.measuring:
+                self.measuring = True
+                self._arm(module, args, kwargs)
         return None
 
-    def done(self, step: int) -> None:
-        """The sampled ``step`` ended (its rows were collected): count it (a step begun but never run is not)."""
+    def _read_back(self) -> bool:
+        """Whether a backward read what the step's forwards saved, as far as the schedule can tell: the
+        tracker says while it measures the step; a step not measured is taken as not (only its shapes' watch
+        hangs on it)."""
+        return self.measuring and self._trained is not None and self._trained()
+
+    def _evaluated(self) -> None:
+        """The step's forwards so far (in eval mode) were an evaluation before its training
+        (``evaluated_before``): the shapes they ran are forgotten, and the step is not measured for them. When
+        they armed the tracker it measures on to the step's end (no hook comes off inside the model's
+        forward), and its rows are not kept (``done``), unless the training's own shapes turn out new."""
+        self._mode = True
+        self._known.difference_update(self._new)
+        self._new.clear()
+        self._for_evaluation = self.measuring and not self._due
+        self._for_shapes = False
+
+    def done(self, step: int) -> bool:
+        """The sampled ``step`` ended (its rows are being collected): count it (a step begun but never run is
+        not). Whether its memory rows are kept: not when only an evaluation's shapes had it measured (it is
+        then not measured, as the step would have been without the evaluation)."""
         if step != self._step or step < 0:
-            return
+            return True
         self.sampled += 1
+        if self._for_evaluation:
+            self.measuring = False
         if self.measuring:
             self.measured.append(step)
             if self._for_shapes:
                 self.new_shapes.append(step)
         self._step = -1
+        return not self._for_evaluation
 
     def describe(self) -> dict[str, Any]:
         """The ``memory_steps`` entry of the capture summary."""

@@ -291,7 +291,7 @@ class MemoryTracker(SavedActivations):
         self._root_depth = 0  # (a forward a KeyboardInterrupt left never reached its post-hook)
         self._attempts.begin_step()
         model = self.model if self._attached else None
-        self._sampled = self.schedule.begin(step, sampled, model, self._arm_at_forward)
+        self._sampled = self.schedule.begin(step, sampled, model, self._arm_at_forward, self.read_back)
         if not self._sampled:
             self._uninstall()
             return
@@ -339,7 +339,7 @@ class MemoryTracker(SavedActivations):
 
     def end_step(self, step: int) -> list[dict[str, Any]]:
         """Memory rows of ``step`` (``[]`` when it was not sampled). Host only; no device sync."""
-        self.schedule.done(step)
+        kept = self.schedule.done(step)  # (not: measured only for an evaluation's shapes, ``MemorySchedule``)
         if not self._sampled:
             return []
         self._mark_phase(T.PHASE_OTHER)
@@ -406,7 +406,7 @@ class MemoryTracker(SavedActivations):
         self._input_keys = set()
         self._grads.reset()
         self._sampled = False
-        return rows
+        return rows if kept else []
 
     def end_hooks(self, keep: bool = False) -> None:
         """The sampled step's forward, backward and optimizer step are over: its hooks come off (``end_step``

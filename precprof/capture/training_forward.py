@@ -45,6 +45,26 @@ def runs_aside() -> bool:
     return not torch.is_grad_enabled() and _compat.backward_pass_id() is None
 
 
+def is_evaluation(mode: bool | None, training: bool) -> bool:
+    """Whether a forward of the model with grad on, in train mode or not (``training``), is an evaluation
+    (``model.eval()`` without ``no_grad``): the step's first forward with grad ran in train mode (``mode``:
+    its mode, None before it) and this one runs in eval mode. The one rule for every part of the capture
+    that leaves an evaluation out: the statistics' hooks (``TrainingForward``, counted in
+    ``eval_forwards``), the saved activations (``capture/memory_saved.py``) and the memory schedule's input
+    watch (``capture/memory_schedule.py``)."""
+    return bool(mode) and not training
+
+
+def evaluated_before(mode: bool | None, training: bool, trained: Callable[[], bool]) -> bool:
+    """Whether a forward with grad on beginning now shows the step's forwards so far to have been an
+    evaluation before its training (a validation with grad on at the step's start): they ran in eval mode
+    (``mode`` False), this one runs in train mode, and no backward read what they did (``trained()`` False,
+    asked last). Else the step trains in eval mode (BatchNorm and dropout frozen), or in the mode its first
+    forward had. (``is_evaluation``'s rule for the forwards before the training: the step's mode is train
+    mode from here.)"""
+    return mode is False and training and not trained()
+
+
 class TrainingForward:
     """The part of ``capture.hooks.StepHooks`` that tells the step's training forward from the others."""
 
@@ -94,7 +114,7 @@ class TrainingForward:
         first pass read, a reentrant checkpoint's first pass (without grad: its recomputation is read). A part
         the model's forward runs without grad (a frozen VAE or text encoder, a frozen backbone, under ``no_grad``
         inside a forward with grad) is read: its activations are the step's, without gradients."""
-        if (self._step_mode and not self._root.training) or self._outside:
+        if is_evaluation(self._step_mode, self._root.training) or self._outside:
             return _EVALUATION
         if torch.is_grad_enabled():
             return _RECOMPUTED if recomputing() else ""
@@ -119,9 +139,11 @@ class TrainingForward:
                 self._hookset.step_aside(keep=module)
             self._model_inputs = {id(t) for t in _iter_tensors((args, kwargs or {}))}
             trains = self._root_grad and not self._outside
-            if trains and self._step_mode is False and module.training and not self._trained():
+            if trains and evaluated_before(self._step_mode, module.training, self._trained):
                 self._evaluation_before_training()
-            evaluation = self._outside or (self._step_mode and not module.training)  # (as ``_not_read``)
+            evaluation = self._outside or is_evaluation(
+                self._step_mode, module.training
+            )  # (as ``_not_read``)
             if self.installed and self._root_grad and not evaluation and _compat.backward_pass_id() is None:
                 self._attempts.forward_begins()  # (after an attempt that raised: what it read is forgotten)
         if not self._root_grad or self._outside:
