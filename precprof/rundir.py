@@ -319,10 +319,16 @@ def _lock(path: Path, option: str) -> int:
 
 def _busy(path: Path, option: str, owner: str) -> RunDirError:
     """The refusal of a run directory whose lock ``owner`` (a pid, "?" when the lock does not say) holds."""
-    if owner == str(os.getpid()):  # a Profiler of this process claimed it and has not saved it
+    if owner == str(os.getpid()):  # a Profiler of this process claimed it, not saved since it detached
+        # (a save while attached is a snapshot: the directory stays the Profiler's. Saved once detached, it holds
+        # a complete run, which another Profiler replaces or continues only when told to: "save it first" alone
+        # led to a second refusal, then a third)
+        resume = " (resume=True to continue it)" if option == "out" else ""
+        then = f"{_replace_it(option)} to replace its run{resume}"
         return RunDirError(
-            f"{option} {path}: a Profiler in this process is still writing this run directory; save it "
-            f"first (prof.save() or prof.report()), or choose another {option}"
+            f"{option} {path}: a Profiler in this process is still writing this run directory, until it is "
+            f"detached and saved (prof.detach(), then prof.save() or prof.report()); choose another {option}, "
+            f"or after that {then}"
         )
     return RunDirError(
         f"{option} {path}: another precprof process (pid {owner}) is writing this run directory; "

@@ -508,3 +508,35 @@ def test_an_optimizer_stepped_inside_backward_is_told_apart_and_read_when_given(
     prof.report(tmp_path / "run")
     page = " ".join(html.unescape((tmp_path / "run" / T.REPORT_FILE).read_text()).split())
     assert ("an optimizer stepped inside the backward pass" in page) != given
+
+
+def test_a_run_directory_another_profiler_writes_is_refused_with_advice_that_works(tmp_path: Path) -> None:
+    """Two Profilers given the same ``out`` in one process: the second was refused with "save it first
+    (prof.save() or prof.report()), or choose another out". Saved while attached, the first went on writing
+    (a snapshot) and the refusal came back; detached and saved, the directory held its complete run, refused
+    unless ``overwrite=True``. The refusal says what works, and doing what it says works."""
+    from precprof.rundir import RunDirError
+
+    out = tmp_path / "run"
+    model, second = TinyNet(), TinyNet()
+    first = precprof.Profiler(model, out=out, sample_every=1).attach()
+    model(torch.randn(2, 8)).sum().backward()
+    first.step()
+    advice = (
+        r"a Profiler in this process is still writing this run directory, until it is detached and saved "
+        r"\(prof\.detach\(\), then prof\.save\(\) or prof\.report\(\)\); choose another out, or after that "
+        r"pass overwrite=True to replace its run \(resume=True to continue it\)$"
+    )
+    with pytest.raises(RunDirError, match=advice):
+        precprof.Profiler(second, out=out).attach()
+    with pytest.raises(
+        RunDirError, match=r"choose another path, or after that pass overwrite=True to replace its run$"
+    ):
+        precprof.Profiler(second).save(out)  # (save()'s words)
+    first.save()  # attached: a snapshot, the directory is still its own
+    with pytest.raises(RunDirError, match=advice):
+        precprof.Profiler(second, out=out).attach()
+    first.detach()
+    first.save()
+    with precprof.Profiler(second, out=out, overwrite=True) as again:  # (its run replaces the first's)
+        assert again.attached and again.run_dir == out
