@@ -52,6 +52,10 @@ FP16_MODES: tuple[str, ...] = (Precision.FP16.value, Precision.FP16_PURE.value)
 AUTOCAST_MODES = frozenset({"bf16", "fp16", "fp8"})  # fp8: torchao Float8Linear under bf16 autocast
 PURE_MODES = frozenset({"bf16-pure", "fp16-pure"})  # parameters held in 16 bits, no fp32 master copy
 FP32_STORAGE_MODES = frozenset({"fp32", "tf32"})  # tf32 only changes matmul arithmetic, not storage
+# a run seen training in float64 (``model.double()``): the name ``Profiler.precision_seen``, the report and the
+# advisor give it, no mode of the built-in loop (``precprof train`` takes no --precision fp64). Autocast leaves
+# float64 ops alone, so a float64 model under autocast trains in it too; FP32 halves every float64 tensor.
+FP64 = "fp64"
 # one colour per mode, wherever runs of several modes are drawn together (compare.html)
 MODE_COLORS: dict[str, str] = {
     Precision.FP32.value: "#1f4e79",

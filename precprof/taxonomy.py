@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from torch import nn
 
 from precprof import tables as T
-from precprof.modes import PRECISIONS
+from precprof.modes import FP64, PRECISIONS
 from precprof.schema import texts
 
 MATMUL = "matmul"  # autocast runs it in the low precision: its inputs and outputs are 16-bit
@@ -419,14 +419,17 @@ def mixed_precision_check(requested: str, layers: pd.DataFrame) -> dict[str, Any
 
     Returns ``{"mixed_precision_requested", "mixed_precision_active", "matmul_layers_float32",
     "matmul_layers"}`` for summary.json's ``capture`` block. Active means: a low precision was requested and
-    at least one matmul layer produced a tensor in something other than float32.
+    at least one matmul layer produced a tensor in something other than float32 or float64.
     """
-    fp32, n = float32_matmul_layers(layers)
-    active = requested_low_dtype(requested) is not None and n > 0 and len(fp32) < n
+    dtypes = matmul_activation_dtypes(layers)
+    n = len(dtypes)
+    # a float64 layer is no more active than a float32 one: autocast leaves float64 ops alone
+    full = [d for d in dtypes.values() if d in ("float32", "float64")]
+    active = requested_low_dtype(requested) is not None and n > 0 and len(full) < n
     return {
         "mixed_precision_requested": requested,
         "mixed_precision_active": active,
-        "matmul_layers_float32": len(fp32),
+        "matmul_layers_float32": sum(d == "float32" for d in full),
         "matmul_layers": n,
     }
 
@@ -451,13 +454,14 @@ def summary_requested(summary: Mapping[str, Any], default: str = "") -> str:
 def precision_trained(summary: Mapping[str, Any], asked: str) -> str:
     """The precision mode a run trained in: the one the profiler saw it train in (``capture.precision_seen``: its
     autocast, layers and parameters' dtypes; ``with_precision_seen``'s off the layers) where that is one of the
-    modes (``precprof.modes``) or ``asked`` is "", else ``asked`` (what its configuration asked for; a run
-    recorded before ``precision_seen`` was). They differ where the framework trained in another than it was asked
-    for (accelerate trains ``TrainingArguments(fp16=True)`` in fp32 on a CPU): what the run trained in is the
-    seen one, and only the precision check and its finding speak of the request."""
+    modes (``precprof.modes``), "fp64" (a float64 model, which autocast leaves alone) or ``asked`` is "", else
+    ``asked`` (what its configuration asked for; a run recorded before ``precision_seen`` was). They differ where
+    the framework trained in another than it was asked for (accelerate trains ``TrainingArguments(fp16=True)`` in
+    fp32 on a CPU; ``--precision bf16`` trains a float64 model in float64): what the run trained in is the seen
+    one, and only the precision check and its finding speak of the request."""
     capture = summary.get(T.SUMMARY_CAPTURE) or {}
     seen = str(capture.get("precision_seen") or "") if isinstance(capture, Mapping) else ""
-    return seen if seen and (seen in PRECISIONS or not asked) else asked
+    return seen if seen and (seen in PRECISIONS or seen == FP64 or not asked) else asked
 
 
 _LOW_MODES = {"bfloat16": "bf16", "float16": "fp16"}
@@ -467,8 +471,8 @@ PRECISION_FROM_LAYERS = "layers"  # capture.precision_from of a precision read o
 def precision_in_layers(layers: pd.DataFrame) -> str:
     """The precision mode a layers table's dtypes show, named as ``Profiler.precision_seen`` names the one its
     hooks saw: a pure mode ("bf16-pure") where most parameter elements (the weight rows, each parameter once)
-    are 16-bit, autocast's ("bf16", "fp16") where a module with parameters produced 16-bit activations, else
-    "fp32"; "" where the table cannot tell: no rows, or torchao's FP8 or block-format layers (their modes are no
+    are 16-bit, "fp64" where they are float64 (autocast leaves float64 ops alone), autocast's ("bf16", "fp16")
+    where a module with parameters produced 16-bit activations, else "fp32"; "" where the table cannot tell: no rows, or torchao's FP8 or block-format layers (their modes are no
     dtype)."""
     if layers.empty or not {T.TENSOR, T.DTYPE, T.MODULE}.issubset(layers.columns):
         return ""
@@ -485,6 +489,8 @@ def precision_in_layers(layers: pd.DataFrame) -> str:
     main = str(sizes.idxmax()) if len(sizes) and sizes.max() > 0 else ""
     if main in _LOW_MODES:
         return f"{_LOW_MODES[main]}-pure"
+    if main == "float64":
+        return FP64
     acts = dtypes[((kinds == T.ACTIVATION) & layers[T.MODULE].isin(set(weights[T.MODULE]))).to_numpy()]
     low = acts[acts.isin(_LOW_MODES)]
     if len(low):

@@ -40,7 +40,7 @@ import pandas as pd
 
 from precprof import tables as T
 from precprof.formats import LOW_PRECISION_DTYPES
-from precprof.modes import AUTOCAST_MODES, FP32_STORAGE_MODES, PRECISIONS, PURE_MODES
+from precprof.modes import AUTOCAST_MODES, FP32_STORAGE_MODES, FP64, PRECISIONS, PURE_MODES
 from precprof.tables import LOSS_SCOPE
 from precprof.taxonomy import CLASS_OTHER, LOW_UNDER_AUTOCAST, precision_trained
 
@@ -57,9 +57,11 @@ NO_OPTIMIZER_ASSUMPTION = (
     "measure them."
 )
 
-# Floating dtypes whose storage a precision mode changes; float64 and integer/bool tensors never change.
+# Floating dtypes whose storage a precision mode changes; float64 and integer/bool tensors never change, but in a
+# run that trained in float64 (measured mode "fp64": ``_FP64_FLOATS``), whose float64 tensors each mode makes its own
 _LOW_FLOATS = LOW_PRECISION_DTYPES
 _MODE_FLOATS = _LOW_FLOATS | {"float32"}
+_FP64_FLOATS = _MODE_FLOATS | {"float64"}
 
 
 def _itemsize(name: str) -> int | None:
@@ -88,13 +90,16 @@ def output_bytes(by_dtype: Mapping[str, float], target: str, current: str, head_
     autocast keep a 16-bit output 16-bit; an fp32 output stays fp32 where the run was in that family already
     (the model's own code made it fp32: ``logits.float()``), and becomes 16-bit in it from an fp32 run when the
     output came from a matmul (``head_matmul``: ``outputs_from_matmul``), else stays fp32. Other dtypes as
-    measured."""
+    measured, but for float64 outputs of a run that trained in float64 (``current`` "fp64"), which fp32 holds in 4
+    bytes and the 16-bit modes as the fp32 ones (fp64 itself: as measured)."""
+    if current == FP64 and target == FP64:
+        return float(sum(float(b) for b in by_dtype.values()))
     same_family = (target in PURE_MODES and current in PURE_MODES) or (
         target in AUTOCAST_MODES and current in AUTOCAST_MODES
     )
     total = 0.0
     for dt, b in by_dtype.items():
-        size = FLOAT_BYTES.get(str(dt))
+        size = FLOAT_BYTES.get(str(dt)) or (8 if current == FP64 and str(dt) == "float64" else None)
         if not size:
             total += float(b)
             continue
@@ -247,13 +252,13 @@ def _frozen_low_bytes(params: pd.DataFrame, n_frozen: int, seen_mode: str) -> in
     return int(min(pd.to_numeric(low[T.BYTES], errors="coerce").fillna(0).sum(), 2 * n_frozen))
 
 
-def _elements(rows: pd.DataFrame) -> tuple[float, int]:
-    """(elements of mode-dependent floats, bytes of everything else) in ``rows``."""
+def _elements(rows: pd.DataFrame, floats: frozenset[str] = _MODE_FLOATS) -> tuple[float, int]:
+    """(elements of mode-dependent floats, the dtypes ``floats``, bytes of everything else) in ``rows``."""
     elems = 0.0
     fixed = 0
     for dt, b in zip(rows[T.DTYPE], rows[T.BYTES], strict=True):
         size = _itemsize(str(dt))
-        if str(dt) in _MODE_FLOATS and size:
+        if str(dt) in floats and size:
             elems += int(b) / size
         else:
             fixed += int(b)
@@ -264,12 +269,13 @@ def _run_mode(summary: Mapping[str, Any], memory: pd.DataFrame) -> tuple[str, st
     """(the run's precision mode, where it comes from, in words): the one the profiler saw it train in
     (``capture.precision_seen``, what the report's header says) where its configuration asked for none or for
     another one the run did not train in (accelerate's fp16 on a CPU trains in fp32: the projection's measured mode
-    was fp16), else its configuration's, else the one its memory looks like (``infer_mode``)."""
+    was fp16; a float64 model's "fp64", whatever was asked: autocast leaves it alone), else its configuration's,
+    else the one its memory looks like (``infer_mode``)."""
     config = summary.get(T.SUMMARY_CONFIG) or {}
     asked = str(config.get("precision", "")) if isinstance(config, Mapping) else ""
     asked = asked if asked in MODES else ""
     mode = precision_trained(summary, asked)
-    if mode in MODES and mode != asked:
+    if (mode in MODES or mode == FP64) and mode != asked:
         return mode, (
             f" (as the profiler saw the run train; {asked} was asked for)"
             if asked
@@ -313,7 +319,9 @@ def project(
 
     measured = _components(at_step)
 
-    p_elems, p_fixed = _elements(comp(T.PARAMETERS))
+    # a float64 run's float64 tensors follow the mode: fp32 holds each in 4 bytes, not the 8 measured
+    floats = _FP64_FLOATS if mode == FP64 else _MODE_FLOATS
+    p_elems, p_fixed = _elements(comp(T.PARAMETERS), floats)
     n_params = int(facts.get("n_params", round(p_elems)))
     n_trainable = int(facts.get("n_trainable", n_params))
     # Under FSDP a rank holds its shard of the parameters, their gradients and states: the parameters measured
@@ -328,7 +336,7 @@ def project(
     ):
         n_trainable = round(n_trainable * p_elems / n_params)
         n_params = round(p_elems)
-    g_elems, g_fixed = _elements(comp(T.GRADIENTS))
+    g_elems, g_fixed = _elements(comp(T.GRADIENTS), floats)
     # a sparse gradient (nn.Embedding(sparse=True)) holds the rows the step looked up, as measured: values that
     # follow the mode and indices that do not (in g_fixed), not an element per parameter element; its values are
     # what the measured float gradients hold beyond the dense ones
@@ -337,9 +345,9 @@ def project(
     # frozen parameters held in 16-bit beside fp32 trained ones (a bf16 base under fp32 LoRA adapters): kept as
     # measured in every mode that does not make the weights 16-bit anyway
     frozen_low = _frozen_low_bytes(comp(T.PARAMETERS), n_params - n_trainable, infer_mode(memory))
-    b_elems, b_fixed = _elements(comp(T.BUFFERS))
-    o_elems, o_fixed = _elements(comp(T.OPTIMIZER_STATES))
-    m_elems, m_fixed = _elements(comp(T.MASTER_WEIGHTS))
+    b_elems, b_fixed = _elements(comp(T.BUFFERS), floats)
+    o_elems, o_fixed = _elements(comp(T.OPTIMIZER_STATES), floats)
+    m_elems, m_fixed = _elements(comp(T.MASTER_WEIGHTS), floats)
     acts = comp(T.ACTIVATIONS)
     classes: Mapping[str, str] = facts.get("module_classes") or {}
     copies_elems = _elements(comp(T.AUTOCAST_WEIGHT_COPIES))[0]
@@ -360,8 +368,8 @@ def project(
         for module, dt, b in zip(acts[T.MODULE], acts[T.DTYPE], acts[T.BYTES], strict=True):
             dt, b = str(dt), int(b)
             size = _itemsize(dt)
-            if dt not in _MODE_FLOATS or not size:
-                total += b  # masks, indices, float64: no mode changes them
+            if dt not in floats or not size:
+                total += b  # masks, indices, float64 (but in a float64 run): no mode changes them
                 continue
             e = b / size
             if module == LOSS_SCOPE:
@@ -421,14 +429,19 @@ def project(
             T.ACTIVATIONS: activations(target),
             T.AUTOCAST_WEIGHT_COPIES: weight_copies(target),
         }
+    # a float64 run's own mode, no mode of the built-in loop: projected as measured, what the other modes' peaks
+    # are scaled from (memory_summary.projected_peaks)
+    targets = (*MODES, FP64) if mode == FP64 else MODES
+    if mode == FP64:
+        projected[FP64] = {c: float(measured.get(c, 0)) for c in projected["fp32"]}
 
     tb = textbook(n_params, int(projected["fp32"][T.OPTIMIZER_STATES]), n_trainable)
     act32 = projected["fp32"][T.ACTIVATIONS]
     act_fixed = sum(
-        int(b) for dt, b in zip(acts[T.DTYPE], acts[T.BYTES], strict=True) if str(dt) not in _MODE_FLOATS
+        int(b) for dt, b in zip(acts[T.DTYPE], acts[T.BYTES], strict=True) if str(dt) not in floats
     )
     records: list[dict[str, Any]] = []
-    for target in MODES:
+    for target in targets:
         for c, b in projected[target].items():
             records.append({"mode": target, "component": c, "bytes": round(b), "source": "projected"})
         if target == mode:
@@ -524,7 +537,18 @@ def project(
             if measured_pure
             else "."
         ),
-        "Masks, indices and float64 tensors take the same bytes in every mode. What the loss saves (module "
+        *(
+            [
+                "This run trained in float64 (its parameters are float64: model.double()): its float64 "
+                "parameters, gradients, optimizer states, buffers and saved activations take 4 bytes per element "
+                "in fp32 and tf32 and 2 in the 16-bit modes, as its float32 ones; fp64, the run's own, is projected as "
+                "measured."
+            ]
+            if mode == FP64
+            else []
+        ),
+        ("Masks and indices" if mode == FP64 else "Masks, indices and float64 tensors")
+        + " take the same bytes in every mode. What the loss saves (module "
         f"{LOSS_SCOPE!r}, measured under Profiler.memory_scope()) stays fp32 where it was fp32 (the built-in loop "
         "computes it in fp32, logits.float(), in every mode; autocast runs losses in fp32); a loss this run "
         "computed on 16-bit logits saved 16-bit tensors, which fp32 and autocast hold in fp32 and the pure modes "

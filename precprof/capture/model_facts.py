@@ -259,6 +259,15 @@ def block_recipes(model: nn.Module) -> list[dict[str, Any]]:
     return _recipes(model, runs_block_format, block_recipe_of)
 
 
+def main_float_dtype(model: nn.Module) -> torch.dtype:
+    """The floating dtype holding most of ``model``'s parameter elements (float32 for a model without any)."""
+    sizes: dict[torch.dtype, int] = {}
+    for p in model.parameters():
+        if p.is_floating_point():
+            sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel()
+    return max(sizes, key=lambda d: sizes[d]) if sizes else torch.float32
+
+
 def low_precision_linear(model: nn.Module) -> str | None:
     """The precision the model's torchao training layers run their GEMMs in: "fp8" with an FP8 training layer (a
     Float8Linear, or an nn.Linear whose weight ``quantize_`` made an FP8 training weight), else the MX formats of

@@ -29,6 +29,7 @@ from precprof.capture.model_facts import (
     fp8_recipes,
     low_precision_buffers,
     low_precision_linear,
+    main_float_dtype,
     model_class_name,
     model_info,
     modules_without_forward,
@@ -44,6 +45,7 @@ from precprof.capture.scaler import ScalerWatch
 from precprof.capture.storage import sharded_states
 from precprof.capture.stream import StreamWriter
 from precprof.capture.updates import UpdateSampler
+from precprof.modes import FP64
 
 
 class ProfilerResults:
@@ -382,15 +384,18 @@ class ProfilerResults:
     def precision_seen(self) -> str | None:
         """The precision mode this loop trains in, as the built-in loop names them (``precprof.modes``), read
         from what the hooks saw: autocast and its dtype on the first recorded forward pass, a torchao Float8
-        linear layer, torchao's MX layers (their format, "mxfp8": no mode of the built-in loop), a GradScaler, a wrapper's mixed precision (FSDP's ``MixedPrecisionPolicy(param_dtype=
-        torch.bfloat16)`` over fp32 parameters: bf16, as autocast over them), the parameters' dtype. None before
-        any forward pass was recorded."""
+        linear layer, torchao's MX layers (their format, "mxfp8": no mode of the built-in loop), float64 parameters
+        ("fp64", with autocast on or off: it leaves float64 ops alone), a wrapper's mixed precision (FSDP's
+        ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)`` over fp32 parameters: bf16, as autocast over them),
+        the parameters' dtype. None before any forward pass was recorded."""
         autocast = self._autocast_seen
         if not autocast:
             return None
         model = _compat.unwrapped(self.model)
         if (layers := low_precision_linear(model)) is not None:  # torchao's FP8 or MX training layers
             return layers
+        if (main := main_float_dtype(model)) == torch.float64:
+            return FP64
         if autocast.get("enabled"):
             dtype = autocast.get("dtype")
             return {"bfloat16": "bf16", "float16": "fp16"}.get(str(dtype), f"autocast {dtype}")
@@ -399,11 +404,6 @@ class ProfilerResults:
             mixed = {"bfloat16": "bf16", "float16": "fp16"}.get(str(info.get("param_dtype")))
             if mixed and info.get("storage_dtypes") == ["float32"]:
                 return mixed
-        sizes: dict[torch.dtype, int] = {}
-        for p in model.parameters():
-            if p.is_floating_point():
-                sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel()
-        main = max(sizes, key=lambda d: sizes[d]) if sizes else torch.float32
         if main == torch.bfloat16:
             return "bf16-pure"
         if main == torch.float16:

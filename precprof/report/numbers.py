@@ -220,6 +220,8 @@ LABELS: dict[Any, tuple[str, str] | None] = {
     # requested precision not active
     "requested": ("requested precision", "text"),
     "fp32_layers": ("matmul layers in FP32", "count"),
+    "float64_layers": ("matmul layers in float64", "count"),
+    "float64_param_share": ("share of parameter elements in float64", "share"),
     "matmul_layers": ("matmul layers", "count"),
     "autocast_enabled": ("autocast on during the forward pass", "yes_no"),
     # expert weights multiplied in float32 (rules/active.py)

@@ -586,22 +586,30 @@ def precision_check(layers: pd.DataFrame, memory: pd.DataFrame, summary: Mapping
     # GEMMs ran, their outputs keep their input's float32 (the built-in loop's fp8 asks for bf16 autocast too)
     fp8_alone = bool(fp8_layers) and not asked
     wants_low = not mx and not fp8_alone and any(t in requested for t in ("bf16", "fp16", "fp8"))
+    capture = summary.get(T.SUMMARY_CAPTURE) or {}
+    autocast = capture.get("autocast") if isinstance(capture, Mapping) else None
+    on = isinstance(autocast, Mapping) and bool(autocast.get("enabled"))
+    # modules with parameters that ran in float64 (a model.double() model): autocast leaves float64 ops alone
+    f64 = acts.loc[acts[T.DTYPE].astype(str).str.split("|").map(lambda d: "float64" in d), T.MODULE].nunique()
+    wide = _wide_words(acts[~acts.index.isin(low.index)])
     if acts.empty:
         verdict, ok = "No activations of modules with parameters were recorded.", True
     elif wants_low and not active:
         # the user's own loop asks nothing: its ``requested`` is what the profiler saw (autocast on in a recorded
         # forward pass, around no module with parameters: a model that turns it off around its layers)
-        capture = summary.get(T.SUMMARY_CAPTURE) or {}
-        autocast = capture.get("autocast") if isinstance(capture, Mapping) else None
-        on = isinstance(autocast, Mapping) and bool(autocast.get("enabled"))
         said = (
             f"was asked for ({requested})"
             if asked
             else f"was seen ({requested}{': autocast was on in a recorded forward pass' if on else ''})"
         )
-        verdict = (
-            f"Mixed precision {said} but is NOT active: every activation of a module with parameters is float32 "
-            f"(autocast off{' around them' if on else ''}, or a library that ignores the setting on this device)."
+        off = f"autocast off{' around them' if on else ''}, or a library that ignores the setting on this device"
+        verdict = f"Mixed precision {said} but is NOT active: every activation of a module with parameters is {wide}"
+        verdict += (
+            f": {_float64_said(f64, acts[T.MODULE].nunique())}. Cast the model to float32 (model.float(), or leave "
+            f"out .double()) and autocast runs its matmuls in {requested}."
+            + (f" The float32 ones: {off}." if "float32" in wide else "")
+            if f64
+            else f" ({off})."
         )
         ok = False
     elif active:
@@ -609,11 +617,23 @@ def precision_check(layers: pd.DataFrame, memory: pd.DataFrame, summary: Mapping
         dts = ", ".join(sorted(low[T.DTYPE].astype(str).unique()))
         verdict = (
             f"Mixed precision is active: {n_mod} of {acts[T.MODULE].nunique()} modules with parameters "
-            f"produce {dts} activations."
+            f"produce {dts} activations"
+            + (f" ({_float64_said(f64, acts[T.MODULE].nunique())})" if f64 else "")
+            + "."
         )
         ok = True
     elif fp8_alone:
         verdict, ok = "No autocast: every activation of a module with parameters is float32.", True
+    elif f64:
+        verdict = (
+            f"{'Double' if wide == 'float64' else 'Full'} precision: every activation of a module with parameters "
+            f"is {wide}: "
+            + _float64_said(
+                f64, acts[T.MODULE].nunique(), "autocast, on in a recorded forward pass," if on else ""
+            )
+            + ". Float64 takes 8 bytes a value, FP32 4: model.float() halves what those modules hold."
+        )
+        ok = True
     else:
         verdict, ok = "Full precision: every activation of a module with parameters is float32.", True
     banner = ""  # the page's banner when not ok: "Mixed precision is not active." unless said otherwise
@@ -632,6 +652,23 @@ def precision_check(layers: pd.DataFrame, memory: pd.DataFrame, summary: Mapping
         "ok": ok,
         "banner": banner,
     }
+
+
+def _wide_words(acts: pd.DataFrame) -> str:
+    """The dtypes of activation rows that are not 16- or 8-bit, in words: "float32", "float64", or "float32 or
+    float64" (a row of several tensors names each, joined with "|")."""
+    seen = {d for v in acts[T.DTYPE].astype(str).unique() for d in v.split("|") if d}
+    return " or ".join(sorted(seen)) or "float32"
+
+
+def _float64_said(f64: int, of: int, autocast: str = "autocast") -> str:
+    """Why ``f64`` of the ``of`` modules with parameters ran in float64, in words; ``autocast`` (the words for
+    it, "" where it plays no part) leaves float64 ops alone."""
+    which = "every module with parameters" if f64 == of else f"{f64} of {of} modules with parameters"
+    return (
+        f"{which} ran in float64, as {'its' if f64 == 1 else 'their'} weights are float64 (model.double(), or "
+        "dtype=torch.float64)" + (f", and {autocast} leaves float64 ops alone" if autocast else "")
+    )
 
 
 # each scaling of a torchao recipe (``capture.model_facts.fp8_recipe_of``) in words

@@ -48,6 +48,7 @@ from precprof.analysis.advisor.rules.active import _rule_experts_fp32, _rule_mix
 from precprof.analysis.advisor.rules.biases import _rule_dropped_biases
 from precprof.analysis.advisor.rules.blocks import _rule_block_formats
 from precprof.analysis.advisor.rules.clipping import _rule_scaled_clipping
+from precprof.analysis.advisor.rules.float64 import _rule_float64
 from precprof.analysis.advisor.rules.fp8 import _rule_fp8
 from precprof.analysis.advisor.rules.fp16 import _rule_fp16_activations, _rule_loss_scale
 from precprof.analysis.advisor.rules.fp32_ops import _rule_fp32_ops
@@ -178,6 +179,7 @@ def recommend(
             run.steps = run.steps[run.steps[T.STEP] < plan.diverged[0]]
             plan.diverged_sampled_before = int(run.layers[T.STEP].nunique())
     _rule_mixed_precision_active(run, plan)
+    _rule_float64(run, plan)
     _rule_experts_fp32(run, plan)
     _rule_fp16_activations(run, plan)
     _rule_loss_scale(run, plan, fwd_bad)

@@ -29,9 +29,12 @@ def _gemm_inputs(run: _Run) -> dict[str, list[str]] | None:
 
 def _outside_autocast(acts: pd.DataFrame) -> set[str]:
     """The modules (and input rows) of an autocast run whose every activation row was fp32: a matmul among them
-    ran outside autocast, where it casts nothing."""
+    ran outside autocast, where it casts nothing. A float64 row is no sign of that: autocast leaves float64 ops
+    alone (a model.double() model: float64_layers says so)."""
     names = T.texts(acts[T.MODULE])
-    low = (_dtype_has(acts, "float16") | _dtype_has(acts, "bfloat16")).to_numpy()
+    low = (
+        _dtype_has(acts, "float16") | _dtype_has(acts, "bfloat16") | _dtype_has(acts, "float64")
+    ).to_numpy()
     return set(names[~low]) - set(names[low])
 
 

@@ -28,7 +28,7 @@ from precprof.analysis.advisor.evidence import (
 from precprof.analysis.advisor.model import CRITICAL, WARNING, Finding, Number
 from precprof.analysis.advisor.text import _g, _listing, _log2i, _name, _pct, _pow2
 from precprof.formats import FP16
-from precprof.modes import FP32_STORAGE_MODES
+from precprof.modes import FP32_STORAGE_MODES, FP64
 
 # How the messages name a tensor kind.
 _KIND_WORDS = {
@@ -772,10 +772,10 @@ def _rule_diverged(run: _Run, plan: _Plan) -> None:
             + " What was recorded from then on describes a broken run, not the format.",
             "Fix the divergence first: the nan/inf findings name the first module and step where non-finite "
             "values appeared; lower the learning rate"
-            # an fp32 run has no module to keep in fp32: its format is not the cause
+            # an fp32 (or float64) run has no module to keep in fp32: its format is not the cause
             + (
-                " (the run trained in fp32: no format is the cause)"
-                if run.precision_trained in FP32_STORAGE_MODES
+                f" (the run trained in {'fp64' if run.precision_trained == FP64 else 'fp32'}: no format is the cause)"
+                if run.precision_trained in FP32_STORAGE_MODES | {FP64}
                 else " or keep that module in fp32"
             )
             + ", then profile again.",

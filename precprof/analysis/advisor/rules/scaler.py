@@ -18,6 +18,7 @@ from precprof.analysis.advisor.evidence import (
 )
 from precprof.analysis.advisor.model import CRITICAL, INFO, WARNING, Finding
 from precprof.analysis.advisor.text import _g, _pow2, _scale
+from precprof.modes import FP64
 
 
 def _said(x: float) -> str:
@@ -49,7 +50,9 @@ def _rule_scaler_unneeded(run: _Run, plan: _Plan) -> None:
             "scaler_unneeded",
             INFO,
             f"A loss scaler in a {mode} run: it has nothing to do",
-            f"This run trained in {mode} and scaled its loss{how}. {mode} has fp32's exponent range: its "
+            f"This run trained in {mode} and scaled its loss{how}. {mode} has "
+            + ("a wider exponent range than fp32's" if mode == FP64 else "fp32's exponent range")
+            + ": its "
             "gradients neither underflow nor overflow the way fp16's do. A dynamic scaler's scale only grows "
             "while no gradient overflows, until the scaled gradients overflow fp32 itself and steps are "
             "skipped; each step pays the scaler's inf check, a host sync.",

@@ -1,0 +1,104 @@
+"""A model trained in float64 (``model.double()``) is named "fp64", not "fp32": the precision check says float64,
+the memory projection halves its float64 tensors in FP32, and under bf16 autocast (which leaves float64 ops alone)
+the run is said to have run in float64, not "in fp32 outside autocast"."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import precprof
+from precprof import tables as T
+from precprof import taxonomy
+from precprof.analysis import advisor
+from precprof.analysis import memory_projection as MP
+from precprof.report import memory_summary as M
+from precprof.report import summarize as S
+
+
+def _double_run(autocast: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Two steps of a float64 model (own loop, AdamW), under bf16 autocast or not: (its tables, its summary)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)).double()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with precprof.Profiler(model, opt, sample_every=1) as prof:
+        for _ in range(2):
+            x, y = torch.randn(6, 8, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            prof.step(loss=loss.detach())
+    return prof.tables(), {T.SUMMARY_CAPTURE: prof.summary()}
+
+
+@pytest.fixture(scope="module")
+def plain() -> tuple[dict[str, Any], dict[str, Any]]:
+    return _double_run(autocast=False)
+
+
+@pytest.fixture(scope="module")
+def autocast() -> tuple[dict[str, Any], dict[str, Any]]:
+    return _double_run(autocast=True)
+
+
+def test_a_float64_run_is_fp64_and_fp32_would_halve_it(plain: tuple[dict[str, Any], dict[str, Any]]) -> None:
+    tables, summary = plain
+    layers, memory = tables["layers"], tables["memory"]
+    assert set(layers[T.DTYPE].astype(str)) == {"float64"}
+    # named fp64 where the hooks saw it, off the layers (a killed run), and as what the run trained in
+    assert summary[T.SUMMARY_CAPTURE]["precision_seen"] == "fp64" == taxonomy.precision_in_layers(layers)
+    assert S.trained_precision(summary) == "fp64"
+    check = S.precision_check(layers, memory, summary)
+    assert check["ok"] and check["verdict"].startswith("Double precision: every activation")
+    assert "float32" not in check["verdict"] and "model.float() halves" in check["verdict"]
+    # the projection: measured as fp64, FP32 holds each float64 parameter, gradient and state in 4 bytes
+    proj = MP.project(memory, summary)
+    assert proj["measured_mode"] == "fp64" and "float64" in " ".join(proj["assumptions"])
+    rec = {(r["mode"], r["component"], r["source"]): r["bytes"] for r in proj["records"]}
+    for comp in (T.PARAMETERS, T.GRADIENTS):
+        assert rec[("fp64", comp, "measured")] == 8 * 212 and rec[("fp32", comp, "projected")] == 4 * 212
+    assert (
+        rec[("fp32", T.OPTIMIZER_STATES, "projected")] < rec[("fp64", T.OPTIMIZER_STATES, "measured")] * 0.6
+    )
+    measured = float(sum(rec[("fp64", c, "measured")] for c in (T.PARAMETERS, T.GRADIENTS)))
+    saving = M.expected_saving(proj["records"], measured, "fp64", "fp32")
+    assert saving is not None and not saving["same_mode"] and 0.45 < saving["share"] < 0.55
+    # the advisor says it, and recommends no float64
+    found = advisor.recommend(tables, summary=summary).finding("float64_layers")
+    assert found is not None and found.severity == "info" and found.numbers["float64_layers"] == 2
+    assert "model.float()" in found.remedy
+
+
+def test_a_float64_model_under_bf16_autocast_ran_in_float64_not_outside_autocast(
+    autocast: tuple[dict[str, Any], dict[str, Any]],
+) -> None:
+    tables, own = autocast
+    layers, memory = tables["layers"], tables["memory"]
+    assert own[T.SUMMARY_CAPTURE]["autocast"]["enabled"]  # autocast was on: it left every float64 op alone
+    assert set(layers[T.DTYPE].astype(str)) == {"float64"}
+    assert own[T.SUMMARY_CAPTURE]["precision_seen"] == "fp64"
+    # precprof train --precision bf16: asked for bf16, trained in fp64
+    asked = {**own, T.SUMMARY_CONFIG: {"precision": "bf16"}}
+    assert S.trained_precision(asked) == "fp64" and MP.project(memory, asked)["measured_mode"] == "fp64"
+    check = S.precision_check(layers, memory, asked)
+    assert (
+        not check["ok"]
+        and "NOT active: every activation of a module with parameters is float64:" in (check["verdict"])
+    )
+    assert "is float32" not in check["verdict"] and "model.float()" in check["verdict"]
+    # the own loop (nothing asked): its autocast is named, and the verdict stays float64
+    said = S.precision_check(layers, memory, own)["verdict"]
+    assert said.startswith("Double precision") and "autocast, on in a recorded forward pass," in said
+    assert not taxonomy.mixed_precision_check("bf16", layers)["mixed_precision_active"]
+    for summary, severity in ((asked, "critical"), (own, "critical")):
+        rec = advisor.recommend(tables, summary=summary)
+        assert rec.finding("fp16_kept_fp32") is None  # it said the layers "ran in fp32 outside autocast"
+        assert not any("outside autocast" in r for r in rec.reasons)
+        found = rec.finding("float64_layers")
+        assert found is not None and found.severity == severity and "leaves float64 ops" in found.message
+        assert "model.float()" in found.remedy
