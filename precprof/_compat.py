@@ -108,6 +108,29 @@ def tensor_version(x: torch.Tensor) -> int | None:
         return None
 
 
+def coalesced_values(g: torch.Tensor) -> torch.Tensor:
+    """The values of the sparse COO tensor ``g`` once coalesced, one row a distinct index with its duplicates
+    summed (the vector norm of ``g``'s values is then ``g``'s norm), then zero rows to ``g``'s nnz. Without
+    ``coalesce()``: it reads the count of distinct indices back to the host, a sync on a GPU. Fallback (a torch
+    without ``_indices``/``_values``): ``g.coalesce().values()``."""
+    try:
+        if g.is_coalesced():
+            return g._values()
+        idx, vals = g._indices(), g._values()
+    except (AttributeError, RuntimeError):
+        return g.coalesce().values()
+    if idx.shape[1] < 2:
+        return vals
+    flat = idx[0]
+    for d in range(1, idx.shape[0]):  # each index as one number, in the sparse dimensions' row-major order
+        flat = flat * g.shape[d] + idx[d]
+    order = flat.argsort()
+    ranked = flat[order]
+    # each entry's place among the distinct indices (0, 1, ...): the count of changes before it, in sorted order
+    group = torch.cat([ranked.new_zeros(1), (ranked[1:] != ranked[:-1]).cumsum(0)])
+    return torch.zeros_like(vals).index_add_(0, group, vals[order])
+
+
 def _functorch_wrapped_test() -> Callable[[torch.Tensor], bool]:
     """torch's test of whether a tensor is a ``torch.func`` transform's wrapper (``grad``'s, ``vmap``'s: a plain
     ``torch.Tensor`` to every other test, without a storage, whose ``data_ptr()`` raises); one that says no where

@@ -10,12 +10,14 @@ line is followed by where the partial run is, saved as for any crash.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
 
 from precprof import cli
 from precprof import tables as T
+from precprof.training import Callback, TrainConfig, TrainRun, train
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 TINY = ["--batch-size", "2", "--seq-len", "8", "--no-progress", "--device", "cpu"]
@@ -52,6 +54,26 @@ class Net(nn.Module):
 
 def make(vocab_size, mode, after=0):
     return Net(vocab_size, mode, after)
+
+
+class Unusual(nn.Module):
+    def __init__(self, vocab_size, kind):
+        super().__init__()
+        self.emb = nn.Embedding(vocab_size, 8, sparse=kind in ("sparse", "tied"))
+        self.out = nn.Linear(8, vocab_size)
+        self.kind = kind
+
+    def forward(self, x):
+        h = self.emb(x)
+        if self.kind == "functional":  # a sparse gradient no layer announces
+            h = torch.nn.functional.embedding(x, self.emb.weight, sparse=True)
+        if self.kind == "tied":  # the embedding's weight read densely too: autograd sums a dense gradient
+            return torch.nn.functional.linear(h, self.emb.weight)
+        return self.out(h)
+
+
+def unusual(vocab_size, kind):
+    return Unusual(vocab_size, kind)
 """
 
 
@@ -135,3 +157,91 @@ def test_an_output_that_breaks_the_contract_in_training_says_where_the_partial_r
     assert lines[2] == f"report: not rendered; `precprof report {out}` renders it"
     assert summary[T.SUMMARY_STATUS] == T.STATUS_INCOMPLETE
     assert needle in summary[T.SUMMARY_INCOMPLETE_REASON]
+
+
+@pytest.mark.parametrize(
+    ("kind", "args", "needles"),
+    [
+        (
+            "sparse",
+            [],
+            ["emb.weight gets a sparse gradient", "--optimizer adamw cannot", "use --optimizer sgd,"],
+        ),
+        ("sparse", ["--optimizer", "sgd", "--weight-decay", "0.1"], ["SGD cannot add weight decay", "0, or"]),
+    ],
+)
+def test_parameters_the_optimizer_or_precision_cannot_train_are_refused_before_training(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], kind: str, args: list[str], needles: list[str]
+) -> None:
+    """Before: nn.Embedding(sparse=True) crashed every run at step 0 in the loop's grad norm (exit 1, 143 lines
+    of torch's dispatcher list, "a bug: please report it"), and AdamW or SGD's weight decay would have refused
+    the sparse gradient next."""
+    (tmp_path / "m.py").write_text(MODELS)
+    out = tmp_path / "run"
+    argv = [
+        "train",
+        "-m",
+        f"{tmp_path / 'm.py'}:unusual",
+        "-a",
+        f"kind={kind}",
+        "--out",
+        str(out),
+        "--steps",
+        "2",
+    ]
+    rc, err = run_main([*argv, *args, *TINY], capsys)
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and lines[0].startswith("precprof: error: "), err
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+    assert not out.exists()  # refused before its run directory was made
+
+
+@pytest.mark.parametrize(("kind", "optimizer"), [("sparse", "sgd"), ("tied", "adamw")])
+def test_a_sparse_embedding_trains_with_an_optimizer_that_takes_its_gradient(
+    tmp_path: Path, kind: str, optimizer: str
+) -> None:
+    """SGD takes sparse gradients, clipped (a small --grad-clip) and recorded at the norm of the dense gradient,
+    computed apart; an embedding whose weight is also read densely (a tied head) gets a dense gradient, and
+    AdamW trains it (the check before training asks autograd, not the layer's flag)."""
+    (tmp_path / "m.py").write_text(MODELS)
+    norms: list[float] = []
+
+    class DenseNorm(Callback):
+        def after_backward(self, run: TrainRun) -> None:
+            grads = [p.grad for p in run.model.parameters() if p.grad is not None]
+            assert any(g.is_sparse for g in grads) == (kind == "sparse")
+            norms.append(math.sqrt(sum(float(g.to_dense().double().square().sum()) for g in grads)))
+
+    config = TrainConfig(
+        model=f"{tmp_path / 'm.py'}:unusual",
+        model_args={"kind": kind},
+        optimizer=optimizer,
+        grad_clip=1e-3,
+        steps=2,
+        batch_size=2,
+        seq_len=8,
+        device="cpu",
+        progress=False,
+        report=False,
+        out=tmp_path / "run",
+    )
+    result = train(config, callbacks=[DenseNorm()])
+    assert result.summary[T.SUMMARY_STATUS] == T.STATUS_COMPLETE
+    assert result.steps[T.GRAD_NORM].tolist() == pytest.approx(norms, rel=1e-5)
+    assert len(norms) == 2 and min(norms) > 1e-3  # clipping was on at every step
+
+
+def test_a_sparse_gradient_no_layer_announced_is_refused_at_step_0(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """F.embedding(..., sparse=True) on a dense layer's weight: nothing says so before training; step 0's
+    gradients do, before AdamW meets them (its RuntimeError was "a bug in precprof's own code")."""
+    (tmp_path / "m.py").write_text(MODELS)
+    out = tmp_path / "run"
+    argv = ["train", "-m", f"{tmp_path / 'm.py'}:unusual", "-a", "kind=functional", "--out", str(out)]
+    rc, err = run_main([*argv, "--steps", "2", "--no-report", *TINY], capsys)
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 3, err
+    assert "emb.weight gets a sparse gradient" in lines[0] and "use --optimizer sgd," in lines[0]
+    assert lines[1] == f"precprof: training stopped: the partial run is in {out} (0 finished steps)"

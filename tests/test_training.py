@@ -268,6 +268,32 @@ def test_grad_norm_matches_clip_grad_norm() -> None:
         torch.testing.assert_close(p.grad, q.grad)
 
 
+def test_grad_norm_and_clipping_of_a_sparse_gradient() -> None:
+    """nn.Embedding(sparse=True)'s gradient, uncoalesced (a row looked up twice holds two entries): vector_norm
+    refused it (the built-in loop crashed at step 0, clipping on or off). Its norm is that of the dense gradient
+    (duplicates summed before squaring), computed apart in float64; clipping scales it as torch clips the
+    dense one."""
+    torch.manual_seed(0)
+    emb, lin = nn.Embedding(6, 3, sparse=True), nn.Linear(3, 2)
+    lin(emb(torch.tensor([[1, 4, 1], [1, 5, 0]]))).square().sum().backward()
+    g = emb.weight.grad
+    assert g is not None and g.is_sparse and not g.is_coalesced() and g._nnz() == 6  # rows 1 (x3), 4, 5, 0
+    dense = [g.to_dense(), lin.weight.grad, lin.bias.grad]
+    ref = math.sqrt(sum(float(d.double().square().sum()) for d in dense))
+    assert float(grad_norm_(list(emb.parameters()) + list(lin.parameters()))) == pytest.approx(ref, rel=1e-6)
+    # the values alone, duplicates unsummed, give another norm: the test tells the two apart
+    assert float(torch.linalg.vector_norm(g._values())) != pytest.approx(float(g.to_dense().norm()), rel=1e-3)
+    copies = [nn.Parameter(torch.zeros_like(d)) for d in dense]
+    for q, d in zip(copies, dense, strict=True):
+        q.grad = d.clone()
+    ours = grad_norm_([emb.weight, lin.weight, lin.bias], max_norm=0.1)
+    theirs = torch.nn.utils.clip_grad_norm_(copies, max_norm=0.1)
+    torch.testing.assert_close(ours, theirs)
+    assert emb.weight.grad is not None and emb.weight.grad.is_sparse  # clipped in place, still sparse
+    torch.testing.assert_close(emb.weight.grad.to_dense(), copies[0].grad)
+    torch.testing.assert_close(lin.weight.grad, copies[1].grad)
+
+
 @pytest.mark.parametrize("kind", ["adamw", "sgd"])
 def test_fp32_state_optimizers_match_torch_on_fp32_params(kind: str) -> None:
     torch.manual_seed(0)

@@ -10,6 +10,10 @@ run directory whose report showed a run that never took a step.
 ``no_gradient`` says what is wrong with an output the loss takes no gradient from (integer logits, a detached
 loss): torch's backward said "element 0 of tensors does not require grad and does not have a grad_fn" at step 0.
 
+``sparse_gradients`` refuses sparse gradients the run's optimizer cannot take: AdamW's, or SGD's with weight
+decay. The loop crashed on them at step 0 in its gradient norm, even with clipping off and an optimizer that
+takes them, in a traceback said to be "a bug in precprof's own code".
+
 ``layout_note`` is the one thing the contract cannot check: logits whose last two dimensions are equal.
 """
 
@@ -27,6 +31,7 @@ from precprof import footprint
 from precprof.errors import ModelError, UserError
 from precprof.models import BuiltModel
 from precprof.models.factory import where_raised
+from precprof.modes import OptimizerName
 
 
 def check_forward(
@@ -135,6 +140,77 @@ def no_gradient(name: str, model: nn.Module, loss: torch.Tensor, logits: torch.T
         "or tensor rebuilt from values (torch.tensor(...), .item(), .tolist()) on the way from the parameters to "
         "the output, and check the layers it goes through are not all frozen (requires_grad=False)"
     )
+
+
+def _names(names: Sequence[str]) -> str:
+    """Up to three names, then how many more."""
+    more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+    return ", ".join(names[:3]) + more
+
+
+def sparse_modules(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The trainable weights of ``model``'s ``nn.Embedding(sparse=True)`` and ``nn.EmbeddingBag(sparse=True)``
+    layers, by name: the parameters that may get sparse gradients (not when the forward also uses the weight
+    densely, a tied output head: autograd then sums into a dense gradient)."""
+    return {
+        f"{name}.weight" if name else "weight": m.weight
+        for name, m in model.named_modules()
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad
+    }
+
+
+def sparse_gradients(
+    name: str,
+    model: nn.Module,
+    forward_loss: Callable[[int], torch.Tensor],
+    batch_size: int,
+    optimizer: str,
+    weight_decay: float,
+) -> None:
+    """Refuse (``refuse_sparse``) before training the sparse gradients the run's optimizer cannot take. A model
+    with ``sparse_modules`` under such an optimizer is asked which of them get a sparse gradient: one forward
+    pass and loss at the run's ``batch_size`` (as ``check_forward``) and their gradients
+    (``torch.autograd.grad``: no ``.grad`` is set), training unchanged (``footprint.run_once``). No pass for
+    any other model or for SGD without weight decay."""
+    if optimizer == OptimizerName.SGD.value and not weight_decay:
+        return
+    params = sparse_modules(model)
+    if not params:
+        return
+    found: list[str] = []
+
+    def forward_backward() -> torch.Tensor:
+        loss = forward_loss(batch_size)
+        grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
+        found.extend(n for n, g in zip(params, grads, strict=True) if g is not None and g.is_sparse)
+        return loss
+
+    footprint.run_once(model, forward_backward)
+    refuse_sparse(name, found, optimizer, weight_decay)
+
+
+def refuse_sparse(name: str, sparse: Sequence[str], optimizer: str, weight_decay: float) -> None:
+    """UserError, one line, when parameters with sparse gradients (``sparse``, by name: ``sparse_gradients``
+    before training, the gradients of step 0 in it) meet an optimizer that cannot take them: AdamW (torch's
+    and precprof's fp32-state one refuse them) or SGD with weight decay (``add(sparse, dense)`` is not
+    supported). SGD without weight decay takes them; the loop's norm and clipping read them."""
+    if not sparse:
+        return
+    what = (
+        f"{name}: {_names(sparse)} {'gets a sparse gradient' if len(sparse) == 1 else 'get sparse gradients'}"
+    )
+    undo = "or sparse=False in the model's embedding"
+    if optimizer != OptimizerName.SGD.value:
+        decay = " --weight-decay 0" if weight_decay else ""
+        raise UserError(
+            f"{what} (sparse=True in its embedding), which --optimizer {optimizer} cannot take (torch's AdamW "
+            f"refuses them): use --optimizer sgd{decay}, which takes sparse gradients, {undo}"
+        )
+    if weight_decay:
+        raise UserError(
+            f"{what} (sparse=True in its embedding), to which SGD cannot add weight decay (torch has no sparse + "
+            f"dense add): use --weight-decay 0, {undo}"
+        )
 
 
 def layout_note(built: BuiltModel, logits_shape: Sequence[int] | None) -> str:

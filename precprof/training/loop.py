@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from precprof import _signals, footprint, hardware, rundir
+from precprof import _compat, _signals, footprint, hardware, rundir
 from precprof import tables as T
 from precprof.analysis.throughput import throughput
 from precprof.capture import Profiler
@@ -181,13 +181,17 @@ def grad_norm_(params: Sequence[torch.Tensor], max_norm: float = 0.0) -> torch.T
     clipping as ``torch.nn.utils.clip_grad_norm_`` does (gradients scaled by min(1, max_norm/(norm+1e-6))).
 
     Norms are accumulated in fp32 at least, so fp16 gradients cannot overflow the sum; float64 gradients in
-    float64 (vector_norm refuses to narrow them), the total then in fp32.
+    float64 (vector_norm refuses to narrow them), the total then in fp32. A sparse gradient
+    (``nn.Embedding(sparse=True)``) counts as its dense self: the norm of its values with duplicate indices
+    summed (``_compat.coalesced_values``), and clipping scales its values; torch's ``clip_grad_norm_`` and
+    ``vector_norm`` refuse sparse tensors.
     """
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return torch.zeros(())
     norms = [
-        torch.linalg.vector_norm(g, dtype=torch.promote_types(g.dtype, torch.float32)).float() for g in grads
+        torch.linalg.vector_norm(v, dtype=torch.promote_types(v.dtype, torch.float32)).float()
+        for v in map(_dense_part, grads)
     ]
     total = torch.linalg.vector_norm(torch.stack(norms))
     if hasattr(total, "full_tensor"):  # FSDP2's DTensor gradients: the norm over every rank's shard
@@ -197,6 +201,13 @@ def grad_norm_(params: Sequence[torch.Tensor], max_norm: float = 0.0) -> torch.T
         for g in grads:
             g.mul_(coef.to(g.dtype))
     return total
+
+
+def _dense_part(g: torch.Tensor) -> torch.Tensor:
+    """A dense tensor with ``g``'s vector norm: ``g`` itself, or a sparse gradient's values."""
+    if g.layout == torch.sparse_coo:
+        return _compat.coalesced_values(g)
+    return g
 
 
 def _final(
@@ -353,6 +364,10 @@ def _prepare(config: TrainConfig, profiler_kwargs: dict[str, Any] | None) -> _Se
         # the pass the estimate could not measure, again: a factory's model that fails it is refused here, in one line
         contract.check_forward(
             built, model, forward_loss, fp.failed_at, config.batch_size, config.seq_len, data.vocab_size
+        )
+        # sparse gradients the optimizer cannot take, in one line before the run directory is made
+        contract.sparse_gradients(
+            built.name, model, forward_loss, config.batch_size, config.optimizer, config.weight_decay
         )
         built = built.with_logits_vocab(shapes[0] if shapes else None)
         inner = model
@@ -617,6 +632,11 @@ def _run(s: _Setup, callbacks: Sequence[Callback], claimed: rundir.RunDir | None
                 phase = failure.BACKWARD
                 scaler.scale(loss).backward()
                 phase = failure.OPTIMIZER
+                if step == 0:  # a sparse gradient no layer announced (F.embedding(..., sparse=True))
+                    sparse = [
+                        n for n, p in s.inner.named_parameters() if p.grad is not None and p.grad.is_sparse
+                    ]
+                    contract.refuse_sparse(s.built.name, sparse, config.optimizer, config.weight_decay)
                 for cb in callbacks:
                     cb.after_backward(run)
                 scaler.unscale_(optimizer)  # clipping and the norm see the true gradients
