@@ -62,11 +62,15 @@ class Unusual(nn.Module):
         self.emb = nn.Embedding(vocab_size, 8, sparse=kind in ("sparse", "tied"))
         self.out = nn.Linear(8, vocab_size)
         self.kind = kind
+        if kind == "complex":
+            self.filt = nn.Parameter(torch.ones(8, dtype=torch.complex64))
 
     def forward(self, x):
         h = self.emb(x)
         if self.kind == "functional":  # a sparse gradient no layer announces
             h = torch.nn.functional.embedding(x, self.emb.weight, sparse=True)
+        if self.kind == "complex":
+            h = torch.fft.ifft(torch.fft.fft(h.float(), dim=-1) * self.filt, dim=-1).real.to(h.dtype)
         if self.kind == "tied":  # the embedding's weight read densely too: autograd sums a dense gradient
             return torch.nn.functional.linear(h, self.emb.weight)
         return self.out(h)
@@ -168,6 +172,16 @@ def test_an_output_that_breaks_the_contract_in_training_says_where_the_partial_r
             ["emb.weight gets a sparse gradient", "--optimizer adamw cannot", "use --optimizer sgd,"],
         ),
         ("sparse", ["--optimizer", "sgd", "--weight-decay", "0.1"], ["SGD cannot add weight decay", "0, or"]),
+        (
+            "complex",
+            ["--precision", "fp16"],
+            ["filt is complex64", "GradScaler cannot unscale", "bf16 or fp32"],
+        ),
+        (
+            "complex",
+            ["--precision", "bf16-pure"],
+            ["casts every parameter to bf16", "drop its imaginary part"],
+        ),
     ],
 )
 def test_parameters_the_optimizer_or_precision_cannot_train_are_refused_before_training(
@@ -175,7 +189,8 @@ def test_parameters_the_optimizer_or_precision_cannot_train_are_refused_before_t
 ) -> None:
     """Before: nn.Embedding(sparse=True) crashed every run at step 0 in the loop's grad norm (exit 1, 143 lines
     of torch's dispatcher list, "a bug: please report it"), and AdamW or SGD's weight decay would have refused
-    the sparse gradient next."""
+    the sparse gradient next; a complex parameter under fp16's GradScaler died after step 0 the same way
+    (torch's unscale has no complex kernel), and bf16-pure dropped its imaginary part without a word."""
     (tmp_path / "m.py").write_text(MODELS)
     out = tmp_path / "run"
     argv = [

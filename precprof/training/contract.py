@@ -14,6 +14,10 @@ loss): torch's backward said "element 0 of tensors does not require grad and doe
 decay. The loop crashed on them at step 0 in its gradient norm, even with clipping off and an optimizer that
 takes them, in a traceback said to be "a bug in precprof's own code".
 
+``complex_parameters`` refuses a complex parameter the precision cannot train: under loss scaling torch's
+GradScaler cannot unscale its gradient (a traceback after step 0, also said to be precprof's bug), and a pure
+mode's cast to 16 bits kept its real part alone, without a word.
+
 ``layout_note`` is the one thing the contract cannot check: logits whose last two dimensions are equal.
 """
 
@@ -31,7 +35,7 @@ from precprof import footprint
 from precprof.errors import ModelError, UserError
 from precprof.models import BuiltModel
 from precprof.models.factory import where_raised
-from precprof.modes import OptimizerName
+from precprof.modes import FP16_MODES, PURE_MODES, OptimizerName
 
 
 def check_forward(
@@ -210,6 +214,35 @@ def refuse_sparse(name: str, sparse: Sequence[str], optimizer: str, weight_decay
         raise UserError(
             f"{what} (sparse=True in its embedding), to which SGD cannot add weight decay (torch has no sparse + "
             f"dense add): use --weight-decay 0, {undo}"
+        )
+
+
+def complex_parameters(name: str, model: nn.Module, precision: str, loss_scaling: bool) -> None:
+    """UserError, one line, for a trainable complex parameter the run cannot train: under loss scaling
+    (``loss_scaling``: fp16's dynamic scaling, or any --loss-scale) torch's GradScaler cannot unscale its
+    gradient (``_amp_foreach_non_finite_check_and_unscale_`` has no complex kernel: a traceback after step 0);
+    in a pure mode the cast to 16 bits keeps its real part alone, without a word (torch has no complex bf16,
+    and the fp32-state optimizers work in real fp32). fp32 and bf16 autocast train it, its tensors skipped by
+    the profiler as README says."""
+    found = [(n, p) for n, p in model.named_parameters() if p.requires_grad and p.is_complex()]
+    if not found:
+        return
+    dtype = str(found[0][1].dtype).removeprefix("torch.")
+    what = f"{name}: {_names([n for n, _ in found])} {'is' if len(found) == 1 else 'are'} {dtype}"
+    real = (
+        "or hold the parameter as a real tensor, torch.view_as_real(...), and take torch.view_as_complex of it "
+        "in forward"
+    )
+    if precision in PURE_MODES:
+        raise UserError(
+            f"{what}, and --precision {precision} casts every parameter to {precision.removesuffix('-pure')}, "
+            f"which would drop its imaginary part: use --precision bf16 (autocast) or fp32, {real}"
+        )
+    if loss_scaling:
+        fix = "--precision bf16 or fp32 (no loss scaling)" if precision in FP16_MODES else "--loss-scale none"
+        raise UserError(
+            f"{what}, and torch's GradScaler cannot unscale complex gradients (loss scaling, --precision "
+            f"{precision}): use {fix}, {real}"
         )
 
 

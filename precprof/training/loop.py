@@ -340,6 +340,8 @@ def _prepare(config: TrainConfig, profiler_kwargs: dict[str, Any] | None) -> _Se
     built: BuiltModel = build_model(
         config.model, config.model_args, vocab_size=data.vocab_size, seq_len=config.seq_len
     )
+    # a complex parameter the precision cannot train, in one line before it is cast or measured
+    contract.complex_parameters(built.name, built.module, config.precision, loss_kind != "none")
     # the model's own code raising in what follows (an override of train() or _apply, its forward) is said in
     # one line naming the user's line (a traceback through typer's frames, before any run directory)
     with failure.preparing(built.module, built.kind, built.name):
