@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import functools
 import math
+import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -81,6 +82,8 @@ from precprof.capture.training_forward import _FIRST_PASS, TrainingForward
 from precprof.capture.updates import UpdateSampler
 
 _Tensor = torch.Tensor
+# what a released gradient hook refers to in place of its ``StepHooks`` (``_make_grad_hook``): never installed
+_RELEASED = types.SimpleNamespace(installed=False)
 
 
 class StepHooks(TrainingForward, GradientReads, GemmInputs, StepAttempts, OutputHead):
@@ -136,6 +139,7 @@ class StepHooks(TrainingForward, GradientReads, GemmInputs, StepAttempts, Output
         # the matmul that makes the model's output (``OutputHead``), once walked
         self.output_head = _NOT_WALKED
         self._head_nodes: dict[Any, str] = {}  # until then: each linear layer's output node -> its name
+        self._releases: list[Callable[[], None]] = []  # each gradient hook's (``_make_grad_hook``)
         roots = [(root, self._root_pre_hook, self._root_post_hook, True)] if root is not None else []
         # the root's pre-hook takes the forward's keyword arguments too: model(x=features), model(**batch); so
         # do those of the modules whose input is read, called with it by keyword (self.fc(input=h))
@@ -275,7 +279,9 @@ class StepHooks(TrainingForward, GradientReads, GemmInputs, StepAttempts, Output
     def remove(self, finished: bool = True) -> None:
         """End the sampled step: every hook removed (a module output's gradient hook that has not fired yet
         does nothing from now on). Idempotent. ``finished`` False: the step in progress was cut off (a crash or
-        Ctrl-C before its end), so its backward never left gradients to read, and that is not the loop's doing."""
+        Ctrl-C before its end), so its backward never left gradients to read, and that is not the loop's doing;
+        the hooks come off for good then (detach, a failed attach, a re-plan: the next attach makes new ones), and
+        the gradient hooks left on the graphs of sampled steps are released (``_make_grad_hook``)."""
         self._unrun_weights()
         if finished:
             self._count_unread_weight_grads()
@@ -287,6 +293,9 @@ class StepHooks(TrainingForward, GradientReads, GemmInputs, StepAttempts, Output
         self._handles.clear()
         self.installed = self.loop.active = False
         self._clear_outputs()
+        if not finished:
+            for release in self._releases:
+                release()
 
     def _unrun_weights(self) -> None:
         """The weights of modules whose forward never ran this step, used by a parent (``nn.MultiheadAttention``
@@ -511,14 +520,18 @@ class StepHooks(TrainingForward, GradientReads, GemmInputs, StepAttempts, Output
                 self._outputs_made.append(entry)
 
     def _make_grad_hook(self, slot: _ModuleSlot) -> Callable[[torch.Tensor], None]:
+        """The gradient hook of ``slot``'s outputs. Autograd keeps it on each sampled step's graph as long as that
+        graph lives (a loop holding its last loss, after ``detach()`` too): ``release`` empties what it refers to
+        (these hooks, which hold the model, the optimizers and the Profiler's tables; the slot, its module), so
+        from then on it holds nothing of the model's or the Profiler's, and does nothing. Its cells are emptied,
+        not looked up through a weak reference: nothing added to each call."""
         row = slot.activation_grad
         # a linear layer's output gradient is an operand of its input- and weight-gradient GEMMs
         gemm_blocks = self.block_formats and slot.gemm
-
-        attempts = self._attempts
+        owner, attempts = self, self._attempts
 
         def grad_hook(g: torch.Tensor) -> None:
-            if g is None or not self.installed:
+            if g is None or not owner.installed:
                 return None
             if (
                 not attempts.pass_due
@@ -526,13 +539,18 @@ class StepHooks(TrainingForward, GradientReads, GemmInputs, StepAttempts, Output
                 attempts.backward_seen()
             x = g if type(g) is _Tensor else _local(g)
             if x.dtype in _COMPLEX:  # a complex output's: skipped and counted, as the output was
-                self.buffer.accumulate(x, row)
-            elif self._add(x, row):
-                if gemm_blocks and slot.block_group == self.turn:
-                    self.buffer.accumulate_blocks(x, row)
-                self.rows.seen(row, g.dtype)
+                owner.buffer.accumulate(x, row)
+            elif owner._add(x, row):
+                if gemm_blocks and slot.block_group == owner.turn:
+                    owner.buffer.accumulate_blocks(x, row)
+                owner.rows.seen(row, g.dtype)
             return None
 
+        def release() -> None:
+            nonlocal owner, attempts, slot
+            owner, attempts, slot = _RELEASED, None, None  # type: ignore[assignment]
+
+        self._releases.append(release)
         return grad_hook
 
 

@@ -10,7 +10,7 @@ import contextlib
 import itertools
 import re
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -65,6 +65,44 @@ def _is_loss(t: torch.Tensor) -> bool:
         if hops < _LOSS_HOPS:
             todo += [(f, hops + 1) for f, _ in fn.next_functions if f is not None]
     return False
+
+
+_Hook = Callable[[torch.Tensor], torch.Tensor]
+
+
+def saved_tensor_hooks(owner: SavedActivations) -> tuple[_Hook, _Hook, Callable[[], None]]:
+    """``owner``'s pack and unpack hooks (its ``_pack`` and ``_unpack``), and what releases them. Autograd keeps
+    the pair a forward was recorded under with each tensor it saved, until the backward pass reads it: a graph no
+    backward ran through (a step cut off after its forward, a loss the loop holds and never used) held them, and
+    through them the tracker, the model, the optimizers and the Profiler, after ``detach()`` too. Released (at
+    detach), they refer to nothing of the owner's: pack keeps each tensor as before and unpack gives it back,
+    neither counting anything."""
+    live: SavedActivations | None = owner
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if live is not None and live._recording and live._groups:
+            live._record_saved(t)
+        # An op's output that its own backward node saves (relu, tanh, softmax, exp), kept as the tensor itself,
+        # holds that node, which holds it: a cycle through autograd's C++ side that Python's gc cannot see, so a
+        # forward whose backward never ran (an evaluation with grad on, a loss the loop dropped) was never freed.
+        # Kept detached: the same memory and version counter, and autograd gives it its graph back on unpacking
+        return t.detach() if t.grad_fn is not None else t
+
+    def unpack(t: torch.Tensor) -> torch.Tensor:
+        if live is None:
+            return t
+        live._unpacks += 1
+        # the pass's first: its end is watched (a pass that raised is forgotten)
+        if not live._attempts.pass_due:
+            live._attempts.backward_seen()
+        live._peak.unpacked()
+        return t
+
+    def release() -> None:
+        nonlocal live
+        live = None
+
+    return pack, unpack, release
 
 
 class PolicyCache:
@@ -122,6 +160,10 @@ class SavedActivations:
     # are not the step's (``capture/attempts.py``; the points are ``attempt_point``'s)
     _attempts: AttemptWatch
     _hookset: _compat.HookSet | None  # the modules' and parameters' hooks (``MemoryTracker``)
+    # the saved-tensor hooks of its forwards, and what empties them at detach (``saved_tensor_hooks``)
+    _pack: _Hook
+    _unpack: _Hook
+    _release_saved: Callable[[], None]
 
     def _label(self, component: str, tensors: Iterable[torch.Tensor]) -> None:
         """Note the storages of ``tensors`` as ``component`` in the current phase (for the peak's parts)."""
@@ -391,24 +433,6 @@ class SavedActivations:
                 self._record_saved(t)
             if not any(c.storage is s for s in running):
                 caches.remove(c)  # its checkpoint's forward is over: nothing more comes
-
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        if self._recording and self._groups:
-            self._record_saved(t)
-        # An op's output that its own backward node saves (relu, tanh, softmax, exp), kept as the tensor itself,
-        # holds that node, which holds it: a cycle through autograd's C++ side that Python's gc cannot see, so a
-        # forward whose backward never ran (an evaluation with grad on, a loss the loop dropped) was never freed.
-        # Kept detached: the same memory and version counter, and autograd gives it its graph back on unpacking
-        return t.detach() if t.grad_fn is not None else t
-
-    def _unpack(self, t: torch.Tensor) -> torch.Tensor:
-        self._unpacks += 1
-        if (
-            not self._attempts.pass_due
-        ):  # the pass's first: its end is watched (a pass that raised is forgotten)
-            self._attempts.backward_seen()
-        self._peak.unpacked()
-        return t
 
     def _record_saved(self, t: torch.Tensor) -> None:
         group = self._groups[-1]

@@ -80,7 +80,7 @@ from precprof.capture.attempts import AttemptWatch
 from precprof.capture.cast_copies import CastSources
 from precprof.capture.counters import PhaseCounters
 from precprof.capture.memory_grads import GradientBytes
-from precprof.capture.memory_saved import FOREIGN_HOOKS, PolicyCache, SavedActivations
+from precprof.capture.memory_saved import FOREIGN_HOOKS, PolicyCache, SavedActivations, saved_tensor_hooks
 from precprof.capture.memory_schedule import MemorySchedule
 from precprof.capture.peak import CudaHistory, Label, PeakRecorder, ProfilerMemory
 from precprof.capture.records import after_closure
@@ -182,6 +182,7 @@ class MemoryTracker(SavedActivations):
         # the counters' phase peaks (CUDA steps without a replay)
         self._counts = PhaseCounters(None, reset_peaks)  # and the device whose allocator is read (_cuda)
         self._attempts = AttemptWatch(self)
+        self._pack, self._unpack, self._release_saved = saved_tensor_hooks(self)
 
     @property
     def _cuda(self) -> torch.device | None:
@@ -200,6 +201,7 @@ class MemoryTracker(SavedActivations):
             return
         self._module_hooks = []
         self._hookset = None
+        self._pack, self._unpack, self._release_saved = saved_tensor_hooks(self)  # (released at a detach)
         self._modules = [mod for _, mod in self.model.named_modules()]
         self._module_hooks.append((self.model, self._root_pre_hook, self._root_post_hook))
         for name, mod in _compat.named_modules(self.model):  # a module reached twice keeps its first name
@@ -269,8 +271,10 @@ class MemoryTracker(SavedActivations):
         self._pop_saved_hooks(final=True)
         self._uninstall()
         self.schedule.unwatch()
-        # the hooks' closures refer back to the tracker: dropped, nothing keeps the model alive through them
+        # the hooks' closures refer back to the tracker: dropped, nothing keeps the model alive through them; nor
+        # through the saved-tensor hooks that a graph the loop still holds keeps
         self._module_hooks, self._hookset, self._modules = [], None, []
+        self._release_saved()
         self._stack.clear()
         self._policy_caches.clear()  # (a forward that never returned: they hold its cached tensors)
         self._recording = False
