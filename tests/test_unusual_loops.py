@@ -419,10 +419,15 @@ def test_a_profiler_attached_inside_another_ones_step_leaves_it_attached() -> No
         assert prof.tables()["steps"][T.STEP].tolist() == [0, 1, 2, 3]
 
 
-def test_a_profiler_whose_loop_stopped_before_its_sampled_steps_forward_is_said_not_detached() -> None:
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "nothing_compiled"])
+def test_a_profiler_whose_loop_stopped_before_its_sampled_steps_forward_is_said_not_detached(
+    compiled: bool,
+) -> None:
     """A loop that stopped at the start of a sampled step (its batch failed to load) leaves the ``force_eager``
     stance with nothing to tell it from a loop about to run its model: a Profiler attached to another model then
-    says so, naming the stance and ``detach()``, and leaves it attached."""
+    says so, naming the stance and ``detach()``, and leaves it attached; where that stance changes how anything
+    runs (the new model is compiled, and would never compile). With nothing compiled, as with two models
+    trained alternately (the second's Profiler attached after a step), nothing is said: the warning was false."""
     import torch._dynamo
 
     torch._dynamo.reset()
@@ -434,11 +439,15 @@ def test_a_profiler_whose_loop_stopped_before_its_sampled_steps_forward_is_said_
             F.cross_entropy(model(torch.randn(8, 16)), torch.randint(0, 4, (8,))).backward()
             opt.step()
             first.step()
-        with pytest.warns(
-            UserWarning,
-            match=r"attached to Sequential \(676 parameters, in its step 2\) holds torch.compile's",
-        ):
-            second = precprof.Profiler(other, sample_every=2).attach()
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            second = precprof.Profiler(
+                torch.compile(other, backend="eager") if compiled else other, sample_every=2
+            ).attach()
+        stance = [str(w.message) for w in said if "holds torch.compile's" in str(w.message)]
+        assert len(stance) == int(compiled), stance
+        if compiled:
+            assert "attached to Sequential (676 parameters, in its step 2) holds torch.compile's" in stance[0]
         assert first.attached and second.attached
     finally:
         first.detach()

@@ -22,8 +22,9 @@ Detached rather than refused: in a notebook the stale Profiler is often out of r
 that raised, or a name the cell binds again), and a refusal would leave nothing to do but restart the kernel.
 Its run is marked incomplete, saying why. Two Profilers on two models (a GAN's generator and discriminator) stay
 attached together. One that stepped since it attached and holds the ``force_eager`` stance for a sampled step
-its model has not run in yet is said in a warning: a loop that stopped there looks the same as one about to run
-it. (One attached just before, at its first step, is the second of two attached together: not said.)
+its model has not run in yet is said in a warning, where that stance changes how anything runs (something is
+compiled, or either model is): a loop that stopped there looks the same as one about to run it. (One attached
+just before, at its first step, is the second of two attached together: not said.)
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ import warnings
 import weakref
 from typing import TYPE_CHECKING
 
-from precprof.capture.model_facts import model_class_name
+from precprof import _compat
+from precprof.capture.model_facts import compiled_parts, model_class_name
 
 if TYPE_CHECKING:
     from precprof.capture.profiler import Profiler
@@ -63,7 +65,11 @@ def claim(prof: Profiler) -> None:
             )
         elif _stopped_in_step(other):
             _suspects.setdefault(prof, []).append((other, other.current_step))
-        elif other.current_step > _attached[other] and (stance := other._stance.holding()) is not None:
+        elif (
+            other.current_step > _attached[other]
+            and (stance := other._stance.holding()) is not None
+            and _stance_matters(other, prof)
+        ):
             warnings.warn(
                 f"precprof: {named} holds torch.compile's stance at '{stance}' for its sampled step: compiled "
                 "models run eagerly until its prof.step(). If its loop stopped, call its detach()",
@@ -98,6 +104,14 @@ def _detach(other: Profiler, named: str, why: str, stacklevel: int) -> None:
         "`with prof:`",
         stacklevel=stacklevel,  # (the user's line that attaches, or that calls prof.step())
     )
+
+
+def _stance_matters(other: Profiler, prof: Profiler) -> bool:
+    """Whether a ``force_eager`` stance left in force changes how anything runs: Dynamo holds compiled code (a
+    model or function compiled and run), or either model has parts ``torch.compile`` compiles (the new one's,
+    not compiled yet, would never compile). With nothing compiled, two models trained alternately (the first's
+    sampled step begun as the second attaches) are no stale loop's sign worth a warning."""
+    return _compat.compiled_code() or any(compiled_parts(p.model) is not None for p in (other, prof))
 
 
 def _same_model(other: Profiler, prof: Profiler) -> bool:
