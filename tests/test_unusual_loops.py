@@ -59,8 +59,22 @@ def test_a_model_run_under_torch_func_transforms_is_skipped_and_counted_not_a_cr
     steps = 3
     data = [(torch.randn(8, 16), torch.randint(0, 4, (8,))) for _ in range(steps)]
 
+    came_back: dict[
+        str, int
+    ] = {}  # gradients that came back to each module's output, by a hook of the test's
+
+    def came(name: str) -> Any:
+        def fwd(module: nn.Module, args: Any, out: torch.Tensor) -> None:
+            if out.requires_grad:
+                out.register_hook(lambda g: came_back.__setitem__(name, came_back.get(name, 0) + 1))
+
+        return fwd
+
     def train(profiled: bool) -> tuple[list[torch.Tensor], dict[tuple[int, str], dict[str, float]], Any]:
         model = _mlp()
+        if profiled:
+            for name, child in model.named_children():
+                child.register_forward_hook(came(name))
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         applied: dict[tuple[int, str], dict[str, float]] = {}
         names = {id(p): n for n, p in model.named_parameters()}
@@ -98,9 +112,13 @@ def test_a_model_run_under_torch_func_transforms_is_skipped_and_counted_not_a_cr
         got = row._asdict()
         assert {k: got[k] for k in want} == want, (row.step, row.module, row.param)
     # every module output and linear input (a row of its own with block formats on) ran inside the transform:
-    # one wrapper each per step
+    # one wrapper each per step; so did the gradient that came back to each output (it was left out unsaid)
     skipped = {(s["module"], s["tensor"]): s["count"] for s in prof.skipped_tensors()}
-    assert skipped == {(m, T.ACTIVATION): steps for m in ("0", "0:input", "1", "2", "2:input")}
+    assert skipped == {
+        **{(m, T.ACTIVATION): steps for m in ("0", "0:input", "1", "2", "2:input")},
+        **{(m, T.ACTIVATION_GRAD): n for m, n in came_back.items()},
+    }
+    assert transform == "vmap" or came_back == {m: steps for m in ("0", "1", "2")}
     assert {s["reason"] for s in prof.skipped_tensors()} == {
         "a tensor inside a torch.func transform (grad, vmap, jacrev): a wrapper without a storage of its own"
     }

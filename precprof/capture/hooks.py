@@ -49,6 +49,7 @@ reads, a weight gradient, a norm's weight, are never quantised by such a GEMM.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import types
@@ -477,6 +478,10 @@ class StepHooks(TrainingForward, GradientReads, GemmInputs, StepAttempts, Output
                         add_grad_hook(t, hook_id, grad_hook)
                     continue
                 if not self._add(t if type(t) is _Tensor else _local(t), act):
+                    if (
+                        t.requires_grad
+                    ):  # skipped (a torch.func transform's): its gradient is counted skipped too
+                        _grad_hook_if_allowed(t, hook_id, grad_hook)
                     continue
                 any_tensor = True
                 rows.dtype_bits[act] |= dtype_bit(t.dtype)
@@ -559,3 +564,11 @@ def _distributed() -> bool:
     import torch.distributed as dist
 
     return dist.is_available() and dist.is_initialized()
+
+
+def _grad_hook_if_allowed(t: torch.Tensor, hook_id: int, hook: Any) -> None:
+    """``add_grad_hook`` on an output the statistics skipped (a torch.func transform's wrapped tensor), so that the
+    gradient that comes back to it is counted skipped too, as a complex output's is; an output that takes no hook
+    (a transform refusing one) is left without: its output was counted, and training goes on."""
+    with contextlib.suppress(RuntimeError):
+        _compat.add_grad_hook(t, hook_id, hook)
