@@ -272,6 +272,60 @@ def _server(env: dict[str, str]) -> _Server | None:
     return server
 
 
+class _Pid:
+    """A server forked from this process (``serve_from_here``), waited for as ``subprocess.Popen``'s."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                return os.waitstatus_to_exitcode(status)
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(["fork server"], timeout or 0.0)
+            time.sleep(0.05)
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+
+
+def serve_from_here(folders: list[str]) -> dict[str, Any] | None:
+    """In a process that is itself a fork of a server (torch, precprof and ``_PRELOAD`` imported, one thread),
+    fork this process into the server of its children, not a fresh Python that imports them all again (3-4 s of
+    CPU): the server of this process's own environment, whose children's ``sys.path`` holds ``folders`` too (a
+    child whose PYTHONPATH names them: the caller says they hold nothing imported that a fresh child would find
+    elsewhere). Returns None in this process (or where it cannot fork: one thread only), and in each child the
+    server forks, its request (``_become`` it, then end as that command's Python ends)."""
+    if _threads() != 1:
+        return None
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    for f in (sys.stdout, sys.stderr):
+        f.flush()
+    pid = os.fork()
+    if pid == 0:  # the server: stdin and stdout its own, as ``_Server`` starts one (stderr shared)
+        ours.close()
+        null = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1):
+            os.dup2(null, fd)
+        os.close(null)
+        _SERVERS.clear()
+        sys.path[1:1] = [f for f in folders if f not in sys.path]
+        return _serve(theirs)
+    theirs.close()
+    server = _Server.__new__(_Server)
+    server.sock, server.lock, server.ended = ours, threading.Lock(), {}
+    server.proc = _Pid(pid)  # type: ignore[assignment]
+    said = server._recv(timeout=300)
+    server.path = json.loads(said) if said else []
+    server.ready = bool(server.path)
+    _SERVERS.setdefault(_import_env(dict(os.environ)), []).append(server if server.ready else None)
+    return None
+
+
 class Forked:
     """A forked child, as ``subprocess.Popen`` gives it (pid, pipes, poll, wait, communicate, signals)."""
 
