@@ -28,6 +28,18 @@ def _run(args: Any, *posargs: Any, **kwargs: Any) -> subprocess.CompletedProcess
     return forks.run(args, **kwargs)
 
 
+def _serve_from_here() -> dict[str, Any] | None:
+    """Where this process is a fork of tests/forks.py's server (torch and precprof imported before this script
+    ran: it imports neither), the script's children are forks of this process as it starts, not of a fresh
+    Python that imports torch and precprof again (3-4 s of CPU a dry run): None here, a request in each child.
+    The folder precprof was imported from is on their ``sys.path``, as their PYTHONPATH says (bench scripts
+    set PYTHONPATH=ROOT, where the precprof already imported is)."""
+    if not {"torch", "precprof"} <= set(sys.modules):
+        return None
+    root = Path(sys.modules["precprof"].__file__ or "").resolve().parents[1]
+    return forks.serve_from_here([str(root)])
+
+
 def main() -> None:
     # read when Triton compiles (triton.knobs reads the environment then), not when torch or precprof load: the
     # first-step runs' own empty cache folder is no other import environment (no second preloaded Python)
@@ -42,4 +54,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    request = _serve_from_here()
+    if request is not None:  # a child of the server forked above: the command it asked for, then its end
+        forks._become(request)
+    else:
+        main()
