@@ -429,3 +429,24 @@ def test_a_run_that_recovered_from_an_inf_loss_or_recorded_none_still_sets_the_c
         comp, _ = C.compare_runs([ref, run], out=tmp_path / f"cmp-{name}")
         assert {r.compared_until for r in comp.runs} == {4}, (name, comp.runs)
         assert not any("non-finite" in n for n in comp.notes), comp.notes
+
+
+@RUNS
+def test_compare_json_leaves_each_runs_block_figures_per_layer_in_its_summary(
+    fp32_and_bf16: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """compare.json carried each run's whole recommendation, its block-format figures per linear layer with it
+    (tester h104: 16 MB for two runs of a 48-layer model, 4 MB of them a run's copy of its summary.json's): they stay
+    in the run's summary.json, which the comparison never read them from, counted."""
+    C.compare_runs(list(fp32_and_bf16), out=tmp_path)
+    compared = json.loads((tmp_path / C.COMPARE_JSON).read_text())
+    for run, run_dir in zip(compared["runs"], fp32_and_bf16, strict=True):
+        own = T.read_summary(run_dir)[T.SUMMARY_RECOMMENDATION]
+        layers = own["block_what_if"]["layers"]
+        assert layers  # the run evaluated its linear layers' block formats
+        kept = run["recommendation"]["block_what_if"]
+        assert "layers" not in kept and kept["layers_in_summary"] == len(layers)
+        assert {k: v for k, v in kept.items() if k != "layers_in_summary"} == {
+            k: v for k, v in own["block_what_if"].items() if k != "layers"
+        }
+        assert run["recommendation"]["findings"] == own["findings"]

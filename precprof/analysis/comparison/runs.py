@@ -288,6 +288,20 @@ def _scale_history(steps: pd.DataFrame) -> _ScaleHistory:
     )
 
 
+def _without_block_layers(rec: Any) -> Any:
+    """A run's recommendation as a comparison keeps it (compare.json's ``runs[].recommendation``): the block-format
+    what-if's figures per linear layer (``block_what_if.layers``, about 12 KB a layer: 4 MB of a 48-layer model's,
+    each run's copy in compare.json) are left in the run's own summary.json, which the comparison does not read
+    them from; ``block_what_if.layers_in_summary`` counts them."""
+    if not isinstance(rec, dict):
+        return rec
+    block = rec.get("block_what_if")
+    if not isinstance(block, dict) or not isinstance(block.get("layers"), list):
+        return rec
+    kept = {k: v for k, v in block.items() if k != "layers"}
+    return {**rec, "block_what_if": {**kept, "layers_in_summary": len(block["layers"])}}
+
+
 def read_run(
     variant: Variant,
     run_dir: Path,
@@ -364,7 +378,7 @@ def read_run(
         target=str(name) if name else None,
         memory=mem,
         memory_total=sum(v for k, v in mem.items() if k not in T.MEMORY_PEAK_COMPONENTS),
-        recommendation=summary.get(T.SUMMARY_RECOMMENDATION),
+        recommendation=_without_block_layers(summary.get(T.SUMMARY_RECOMMENDATION)),
         wall_s=float(final_block.get("wall_s", math.nan) or math.nan),
         report=str(report) if report.exists() else None,
         curve_steps=[int(s) for s in steps[T.STEP]] if not steps.empty else [],
