@@ -614,6 +614,46 @@ def test_nan_inf_after_a_late_optimizer_step_is_said_of_the_next_one(tmp_path: P
     assert "the next optimizer step, at step 6, was not skipped" in f.message
 
 
+def test_one_optimizer_step_before_a_forward_leaves_the_later_steps_their_own(tmp_path: Path) -> None:
+    """An optimizer step before the forward once (step 3: step 2's gradients stepped late), the loop regular
+    otherwise (reviewer h108): an inf gradient at step 6, which GradScaler skipped at step 6, was said to have "went
+    to a later one, and the next optimizer step, at step 7, was not skipped", as if every step from 3 on stepped
+    late. The steps that did are listed (``capture.loop_order``'s ``at``), and step 6 is its own."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu")
+    skipped = []
+    prof = precprof.Profiler(model, opt, scaler=scaler, sample_every=1, memory=False, out=tmp_path)
+    with pytest.warns(UserWarning) as warned, prof:
+        for step in range(8):
+            if step == 3:  # step 2's gradients, stepped before step 3's forward
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad()
+            out = model(torch.randn(5, 4))
+            if step == 6:
+                out.register_hook(lambda g: g * math.inf)
+            scaler.scale(out.pow(2).mean()).backward()
+            if step != 2:
+                before = scaler.get_scale()
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad()
+                skipped.append(scaler.get_scale() < before)  # independently: the scale backed off
+            prof.step(loss=out.detach().pow(2).mean())
+    prof.save()
+    said = " ".join(str(w.message) for w in warned)
+    assert "sampled step 3 holds 2 steps" in said and "in sampled step 3 SGD stepped before" in said
+    assert skipped[5] and sum(skipped) == 1  # step 6's optimizer step (the 6th the loop made) was skipped
+    order = prof.summary()["loop_order"]["optimizer_before_forward"]
+    assert order["at"] == [3] and order["steps"] == 1
+    steps = prof.tables()["steps"]
+    assert steps.loc[steps[T.SKIPPED].astype(bool), T.STEP].tolist() == [6]
+    found = {f.code: f for f in precprof.recommend(tmp_path).findings}
+    assert "nonfinite_backward" not in found  # GradScaler skipped the step whose gradients held inf
+
+
 def test_an_overflow_at_a_micro_batch_is_the_skipped_optimizer_steps(tmp_path: Path) -> None:
     """fp16 and a GradScaler at 2^22, ``prof.step()`` per micro-batch: gradients overflow from micro-batch 0 on,
     and GradScaler skips the optimizer steps that take them in. A critical finding said micro-batch 0's "optimizer

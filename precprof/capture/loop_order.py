@@ -44,6 +44,7 @@ EMPTY = "empty_step"  # no forward, backward or optimizer step at all
 BEFORE_FORWARD = T.LOOP_BEFORE_FORWARD  # an optimizer stepped before the step's forward
 
 ONCE_PER_STEP = "call prof.step() once per optimizer step, after optimizer.step()"
+AT_MAX = 256  # the sampled steps of a fault listed (``at``); past this many only counted
 _FIX = {
     UNFOLLOWED: "call prof.use_optimizer(new_opt) (a list when the loop steps several)",
     SEVERAL: ONCE_PER_STEP,
@@ -145,11 +146,13 @@ class LoopOrder:
     def _count(self, kind: str, step: int, facts: dict[str, Any]) -> None:
         entry = self.seen.get(kind)
         if entry is None:
-            self.seen[kind] = {"first_step": step, "steps": 1, **facts}
+            self.seen[kind] = {"first_step": step, "steps": 1, "at": [step], **facts}
             # (stacklevel: the loop's prof.step() call, through Profiler.step and its never_traced wrapper)
             warnings.warn(f"precprof: {self._said(kind, step, facts)}; {_FIX[kind]}", stacklevel=5)
             return
         entry["steps"] += 1
+        if len(entry["at"]) < AT_MAX:
+            entry["at"].append(step)
         if "most" in facts:
             entry["most"] = max(entry["most"], facts["most"])
         if "optimizers" in facts:
@@ -177,5 +180,6 @@ class LoopOrder:
         return f"sampled step {step} ran no forward, backward or optimizer step (prof.step() called twice?)"
 
     def summary(self) -> dict[str, dict[str, Any]]:
-        """For summary.json's ``capture.loop_order``: per kind seen, the first sampled step and how many had it."""
-        return {kind: dict(entry) for kind, entry in self.seen.items()}
+        """For summary.json's ``capture.loop_order``: per kind seen, the first sampled step, how many had it and
+        which (``at``: the first ``AT_MAX``)."""
+        return {kind: {**entry, "at": list(entry["at"])} for kind, entry in self.seen.items()}

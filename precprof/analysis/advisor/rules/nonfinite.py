@@ -412,13 +412,23 @@ def _rule_nonfinite(run: _Run, plan: _Plan) -> set[int]:
 
 
 def _optimizer_before_forward(run: _Run, step: int) -> bool:
-    """Whether the optimizer step recorded in ``step`` may have run before its forward, on the previous step's
-    gradients: the sampled steps saw an optimizer step before the forward (``capture.loop_order``,
-    ``capture/loop_order.py``: ``prof.step()`` called before ``optimizer.step()``, or once per micro-batch) from
-    a step no later than ``step`` on (the summary counts those steps, it does not list them)."""
+    """Whether the optimizer step recorded in ``step`` ran before its forward, on the previous step's gradients:
+    the sampled steps that saw an optimizer step before the forward (``capture.loop_order``'s ``at``,
+    ``capture/loop_order.py``: ``prof.step()`` called before ``optimizer.step()``, or once per micro-batch). Past
+    the steps it lists (or in a run recorded before it listed them), only where every sampled step with an
+    optimizer step from the first such step on had it: one irregular step does not make the others so."""
     order = (run.summary.get(T.SUMMARY_CAPTURE) or {}).get("loop_order") or {}
-    first = (order.get(T.LOOP_BEFORE_FORWARD) or {}).get("first_step") if isinstance(order, dict) else None
-    return isinstance(first, int) and first <= step
+    entry = order.get(T.LOOP_BEFORE_FORWARD) if isinstance(order, dict) else None
+    if not isinstance(entry, dict):
+        return False
+    first, n, at = entry.get("first_step"), entry.get("steps"), entry.get("at")
+    if isinstance(at, list) and (step in at or len(at) == n):
+        return step in at
+    if not isinstance(first, int) or not isinstance(n, int) or step < first:
+        return False
+    layers = run.layers
+    updated = set(layers.loc[layers[T.TENSOR] == T.WEIGHT_UPDATE, T.STEP].astype(int))
+    return n >= len({s for s in updated if s >= first})
 
 
 def _next_optimizer_step(run: _Run, idle: set[int], step: int) -> int | None:
