@@ -72,7 +72,7 @@ def test_a_new_optimizer_the_profiler_was_not_given_is_said_once() -> None:
     assert "in sampled step 3 an optimizer the Profiler was not given (AdamW) stepped" in said[0]
     assert said[0].endswith("call prof.use_optimizer(new_opt) (a list when the loop steps several)")
     assert prof.summary()["loop_order"] == {
-        "optimizer_not_followed": {"first_step": 3, "steps": 3, "optimizers": ["AdamW"]}
+        "optimizer_not_followed": {"first_step": 3, "steps": 3, "at": [3, 4, 5], "optimizers": ["AdamW"]}
     }
     layers = prof.tables()["layers"]
     assert sorted(set(layers[layers[T.TENSOR] == T.WEIGHT_UPDATE][T.STEP])) == [0, 1, 2]
@@ -94,7 +94,7 @@ def test_prof_step_every_third_optimizer_step_is_said() -> None:
         f"updates); {ONCE_PER_STEP}"
     ]
     assert prof.summary()["loop_order"] == {
-        "several_optimizer_steps": {"first_step": 0, "steps": 4, "most": 3}
+        "several_optimizer_steps": {"first_step": 0, "steps": 4, "at": [0, 1, 2, 3], "most": 3}
     }
 
 
@@ -113,7 +113,7 @@ def test_prof_step_called_twice_after_one_optimizer_step_is_said() -> None:
         "precprof: sampled step 1 ran no forward, backward or optimizer step (prof.step() called twice?); "
         + ONCE_PER_STEP
     ]
-    assert prof.summary()["loop_order"] == {"empty_step": {"first_step": 1, "steps": 3}}
+    assert prof.summary()["loop_order"] == {"empty_step": {"first_step": 1, "steps": 3, "at": [1, 3, 5]}}
 
 
 def test_prof_step_before_optimizer_step_is_said() -> None:
@@ -134,7 +134,9 @@ def test_prof_step_before_optimizer_step_is_said() -> None:
         "precprof: in sampled step 2 SGD stepped before the model's forward: its weight-update rows are the step "
         f"before's update (prof.step() called before optimizer.step()?); {ONCE_PER_STEP}"
     ]
-    assert prof.summary()["loop_order"] == {"optimizer_before_forward": {"first_step": 2, "steps": 2}}
+    assert prof.summary()["loop_order"] == {
+        "optimizer_before_forward": {"first_step": 2, "steps": 2, "at": [2, 4]}
+    }
 
 
 def test_an_optimizer_step_alone_after_the_last_prof_step_makes_no_step_at_detach() -> None:
