@@ -773,6 +773,57 @@ def test_advice_for_another_machine_is_not_measured_here(
     )
 
 
+def test_a_speed_without_fp32_or_of_emulated_fp16_judges_no_verdict(
+    comparison: tuple[A.Comparison, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Tester h104: ``precprof compare runs/bf16 runs/fp16`` (no fp32 run; fp16 emulated on this CPU) said
+    "[confirmed] Speed: ... keep fp32" of fp16 at 1.06x bf16's throughput, and "[contradicted] ... a gain that the
+    recommendation forgoes" of a noisy 1.52x, beside the page's note that fp16's throughput here says nothing. A
+    speed against bf16 measures nothing of keeping fp32, and an emulated format's speed judges nothing: not
+    measured, saying why. The speed-up itself is kept (the page draws it, with the note)."""
+    from precprof import hardware
+
+    _, out = comparison
+    timed = {
+        p: _retimed(out / p, tmp_path / p, s) for p, s in (("fp32", 0.010), ("bf16", 0.010), ("fp16", 0.008))
+    }
+    emulated = (
+        "this CPU has no fp16 arithmetic (AVX512-FP16 / AMX-FP16) and torch emulates it, so fp16's throughput "
+        "says nothing of fp16's speed"
+    )
+    no_fp32 = "this comparison has no fp32 or tf32 run, so no speed of fp32 was measured (bf16 is the reference for want of one)"
+    for native in (False, True):
+        monkeypatch.setattr(hardware, "cpu_fp16_native", lambda native=native: native)
+        # the tester's case, through ``precprof compare RUN_DIR RUN_DIR`` (its page once: it takes a second)
+        pair = [timed["bf16"], timed["fp16"]]
+        comp = (
+            A.analyse([(A.Variant("bf16"), pair[0]), (A.Variant("fp16"), pair[1])])
+            if native
+            else C.compare_runs(pair, out=tmp_path / "cmp")[0]
+        )
+        bf16, fp16 = comp.runs
+        assert comp.reference == "bf16" and (bf16.recommendation or {})["format"] == "fp32"
+        assert fp16.outcome == A.MATCHED and fp16.speedup == pytest.approx(1.25)
+        assert any("has no fp16 arithmetic" in n for n in comp.notes) == (not native)
+        speed = [c for c in comp.checks if c.aspect == A.ASPECT_SPEED and c.run == "fp16"]
+        assert [c.status for c in speed] == [A.NOT_MEASURED], speed
+        assert speed[0].text.endswith(
+            f"the fp16 run matched bf16's loss and ran at 1.25x bf16's throughput on this machine "
+            f"({_machine(timed['fp16'])}); {no_fp32}" + ("." if native else f"; {emulated}.")
+        ), speed[0].text
+        assert fp16.emulated == ("" if native else emulated)
+        # against fp32, emulated fp16's gain judges nothing; an fp16 this CPU computes would forgo one
+        comp = A.analyse([(A.Variant("fp32"), timed["fp32"]), (A.Variant("fp16"), timed["fp16"])])
+        (speed,) = [c for c in comp.checks if c.aspect == A.ASPECT_SPEED and c.run == "fp16"]
+        assert comp.run("fp16").speedup == pytest.approx(1.25)
+        assert speed.status == (A.CONTRADICTED if native else A.NOT_MEASURED), speed
+        assert speed.text.endswith(
+            "a gain (1.10x or more counts as a gain) that the recommendation forgoes."
+            if native
+            else f"; {emulated}."
+        ), speed.text
+
+
 def _with_rec(runs: list[A.RunResult], rec: dict[str, Any]) -> tuple[list[A.RunResult], A.RunResult]:
     """The fixture's runs with a copy of the reference that carries ``rec`` (the shared runs stay as they are)."""
     ref = dataclasses.replace(runs[0], recommendation=rec)

@@ -128,6 +128,7 @@ __all__ = [
     "describe_run",
     "describe_scale",
     "did_not_train",
+    "emulation",
     "finite",
     "format_warnings",
     "no_steps_file",
@@ -224,6 +225,7 @@ def analyse(
     ref, ref_note = _reference(results, [v for v, _ in runs])
     ruled_out = bool((ref.recommendation or {}).get("fp16_ruled_out"))
     for r in results:
+        r.emulated = emulation(r)
         r.ruled_out = ruled_out and r.loss_scale == ADVISED
         if r is ref:
             r.outcome, r.gap = (REFERENCE if r.steps else FAILED), 0.0
@@ -254,7 +256,7 @@ def analyse(
         config=dict(config or {}),
         notes=[n for n in (steps_note, ref_note) if n]
         + _missing_notes(results)
-        + _notes(results, config or {})
+        + _notes(results)
         + ([how_ran] if how_ran else []),
     )
     # the check lines say where runs of different lengths are compared (``cut_short``) and that the reference did
@@ -382,10 +384,26 @@ def uneven_steps(run: RunResult) -> str:
     return ""
 
 
-def _notes(runs: Sequence[RunResult], config: Mapping[str, Any]) -> list[str]:
-    """Caveats for reading the throughput column."""
-    fp16 = [r.label for r in runs if r.precision.startswith("fp16")]
-    if fp16 and str(config.get("device", "")).startswith("cpu") and not hardware.cpu_fp16_native():
+def emulation(r: RunResult) -> str:
+    """Why ``r``'s throughput says nothing of its format's speed, in the words of the check lines ("" when it
+    does): it trained in fp16 on a CPU (the machine its summary.json records) and this CPU has no fp16
+    arithmetic, which torch then emulates, about 15x slower than fp32 (``hardware.cpu_fp16_native``). The note
+    on the throughput column and the verdict check both go by it: an emulated fp16 run at 1.52x a bf16 run's
+    throughput (noise on a busy machine) had "contradicted" an fp32 recommendation."""
+    if not (r.precision.startswith("fp16") and r.machine.split(":")[0] == "cpu"):
+        return ""
+    if hardware.cpu_fp16_native():
+        return ""
+    return (
+        f"this CPU has no fp16 arithmetic (AVX512-FP16 / AMX-FP16) and torch emulates it, so {r.label}'s "
+        "throughput says nothing of fp16's speed"
+    )
+
+
+def _notes(runs: Sequence[RunResult]) -> list[str]:
+    """Caveats for reading the throughput column: the runs whose format this CPU emulates (``emulation``)."""
+    fp16 = [r.label for r in runs if r.emulated]
+    if fp16:
         return [
             f"This CPU has no fp16 arithmetic (AVX512-FP16 / AMX-FP16): torch emulates it, so the throughput of "
             f"{', '.join(fp16)} says nothing about fp16 on a GPU; its numerics are the real ones."

@@ -3,7 +3,9 @@ against what the other runs did.
 
 Every sentence states what the run directories measured: a format is "confirmed" on speed only when its run
 reached ``SMALL_MODEL_MIN_SPEEDUP`` times the reference's throughput on the machine the advisor planned for
-(``speed_status`` holds that rule), and the warnings quoted are those the reference profile's advisor gave.
+(``speed_status`` holds that rule), neither run in a format that machine emulates, and an fp32 verdict's speed
+only against an fp32 (or tf32) reference (``speed_unjudged``); the warnings quoted are those the reference
+profile's advisor gave.
 """
 
 from __future__ import annotations
@@ -51,9 +53,11 @@ STATUS_MEANING = {
     NOT_BORNE_OUT: "the profile warned about this format, and the run did not suffer from it",
     MISSED: "the run went wrong and the profile gave no warning that bears on it",
     NOT_MEASURED: "no run in this comparison measures it: no run in that format, a failed run, no throughput, "
-    "speed on a machine other than this one, a run trained otherwise than the reference besides its precision, an "
-    "fp16 run without the loss scaling the advice gives it, a reference that did not train, a run without "
-    "summary.json, or a run that stopped early or is compared short of its end (runs of different lengths)",
+    "speed on a machine other than this one, the speed of a format this machine emulates (fp16 on a CPU without "
+    "fp16 arithmetic), an fp32 verdict's speed without an fp32 run, a run trained otherwise than the reference "
+    "besides its precision, an fp16 run without the loss scaling the advice gives it, a reference that did not "
+    "train, a run without summary.json, or a run that stopped early or is compared short of its end (runs of "
+    "different lengths)",
     OVERRIDDEN: "the advisor's fp32 default for a small model, against a run in the format its measurements "
     f"allowed that matched and reached {_GAIN}",
 }
@@ -220,6 +224,27 @@ def speed_status(speedup: float | None, planned_here: bool) -> str:
     return CONFIRMED if speedup >= SMALL_MODEL_MIN_SPEEDUP else CONTRADICTED
 
 
+# the references an fp32 or tf32 verdict's speed is measured against: a run's gain over a bf16 reference is no
+# gain over fp32
+_FULL_PRECISION = ("fp32", "tf32")
+
+
+def speed_unjudged(r: RunResult, ref: RunResult, fmt: str) -> str:
+    """Why ``r``'s speed against ``ref`` neither confirms nor contradicts a recommendation of ``fmt``, in words
+    ("" when it may): for an fp32 (or tf32) recommendation, a reference in neither (no fp32 run compared: bf16 is
+    the reference for want of one); and a run or reference whose format the machine emulates
+    (``RunResult.emulated``). Two runs, bf16 and an fp16 emulated on a CPU, had "confirmed" keeping fp32 from
+    fp16 at 1.06x bf16's throughput, and "contradicted" it from a noisy 1.52x."""
+    why = []
+    if fmt in _FULL_PRECISION and ref.precision not in _FULL_PRECISION:
+        why.append(
+            f"this comparison has no fp32 or tf32 run, so no speed of {fmt} was measured ({ref.label} is the "
+            "reference for want of one)"
+        )
+    why += [x.emulated for x in (r, ref) if x.emulated]
+    return "; ".join(why)
+
+
 def _ran_at(r: RunResult, ref: RunResult, who: bool = True) -> str:
     said = f"ran at {r.speedup:.2f}x {ref.label}'s throughput on this machine ({r.machine})"
     return f"{r.label} {said}" if who else said
@@ -327,7 +352,8 @@ def _recommendation_checks(
             head = (
                 f"Speed: {lead}; the {r.label} run {did} {ref.label}'s loss and {_ran_at(r, ref, who=False)}"
             )
-            st = speed_status(r.speedup, here)
+            unjudged = speed_unjudged(r, ref, fmt)
+            st = NOT_MEASURED if unjudged else speed_status(r.speedup, here)
             if st == CONFIRMED and small and r.precision == measured:
                 checks.append(
                     Check(
@@ -356,7 +382,9 @@ def _recommendation_checks(
                     )
                 )
             else:
-                checks.append(Check(NOT_MEASURED, f"{head}; {_elsewhere(rec)}.", r.label, ASPECT_SPEED))
+                checks.append(
+                    Check(NOT_MEASURED, f"{head}; {unjudged or _elsewhere(rec)}.", r.label, ASPECT_SPEED)
+                )
         for r in same:
             if r.speedup is not None and math.isfinite(r.speedup):
                 checks.append(
@@ -399,7 +427,8 @@ def _recommendation_checks(
                 ASPECT_LOSS,
             )
         )
-        st = speed_status(r.speedup, here)
+        unjudged = speed_unjudged(r, ref, fmt)
+        st = NOT_MEASURED if unjudged else speed_status(r.speedup, here)
         if r.speedup is None or not math.isfinite(r.speedup):
             text = f"Speed: {_unmeasured(r, ref)}."
         elif st == CONFIRMED:
@@ -410,7 +439,7 @@ def _recommendation_checks(
                 f"gain recommending {fmt} assumes ({_gain()})."
             )
         else:
-            text = f"Speed: {_ran_at(r, ref)}; {_elsewhere(rec)}."
+            text = f"Speed: {_ran_at(r, ref)}; {unjudged or _elsewhere(rec)}."
         checks.append(Check(st, text, r.label, ASPECT_SPEED))
     return checks
 
@@ -520,10 +549,11 @@ def _warning_checks(rec: Mapping[str, Any] | None, r: RunResult, ref: RunResult)
     speed_w = [f for f in given if str(f.get("code", "")) in SPEED_CODES]
     if speed_w:
         q = "; ".join(_title(f) for f in speed_w)
-        st = speed_status(r.speedup, _planned_here(rec or {}, ref))
+        unjudged = speed_unjudged(r, ref, "")  # a speed warning is about r's format against the reference's
+        st = NOT_MEASURED if unjudged else speed_status(r.speedup, _planned_here(rec or {}, ref))
         if st == NOT_MEASURED:
             tail = (
-                f"{_ran_at(r, ref)}; {_elsewhere(rec or {})}"
+                f"{_ran_at(r, ref)}; {unjudged or _elsewhere(rec or {})}"
                 if r.speedup is not None and math.isfinite(r.speedup)
                 else _unmeasured(r, ref)
             )

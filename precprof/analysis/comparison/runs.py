@@ -191,6 +191,10 @@ class RunResult:
     step_time_spread: float = math.nan  # the counted steps' interquartile range over their median
     # why no speed-up against the reference was taken ("" when one was, or nothing was timed)
     speed_not_taken: str = ""
+    # why its throughput says nothing of its format's speed: the machine it trained on emulates the format (fp16 on
+    # a CPU without fp16 arithmetic); "" when it does not. Its speed-up is kept (the page draws it, beside the
+    # note), but confirms or contradicts no check
+    emulated: str = ""
     # the run's ``SETUP_SETTINGS`` as its summary.json's config records them
     settings: dict[str, Any] = field(default_factory=dict)
     # the settings (in words) other than ``COMPARED_ANYWAY`` in which this run differs from the reference
