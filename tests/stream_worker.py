@@ -97,7 +97,11 @@ def main(mode: str, out: Path, checkpoint: Path | None) -> None:
                 torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, checkpoint)
             train_step(model, opt, prof, step)
             if mode == "crash" and step == CRASH_AT:
-                prof.tables()  # what was flushed is on disk, as a writer thread would have it a moment later
+                # what was flushed is on disk, as a writer thread would have it a moment later; step 10 waits on
+                # the device, and dies with the process (``prof.tables()`` would copy it first)
+                sink = prof._recorded.sink
+                assert sink is not None
+                sink.drain()
                 os.kill(os.getpid(), signal.SIGKILL)
     prof.save()
 

@@ -10,7 +10,9 @@ from __future__ import annotations
 import math
 import random
 import statistics
+from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 from torch import nn
@@ -552,6 +554,60 @@ def test_fixed_sampling_stays_as_it_was() -> None:
     prof = _train({"sample_every": 10, "memory": False}, 25, poison_at=3)
     assert _reasons(prof) == {0: "interval", 10: "interval", 20: "interval"}
     assert prof.summary()["sampling"]["mode"] == "every"
+
+
+@pytest.mark.parametrize(("every", "stream"), [(0, False), (4, True)])
+def test_a_look_mid_run_holds_every_step_ended_so_far(
+    every: int, stream: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Tester h104: ``prof.tables()`` while attached showed none of a ``sample_every=0`` run's 25 steps, and
+    ``prof.report()`` a page without them: unsampled steps wait on the device until a sampled step copies them
+    (none here), or ``MAX_PENDING_STEPS``. A look mid-run copies them, between steps (a sync outside any hook),
+    and its time is not the next step's; the run then goes on as before, each step recorded once with its own
+    loss. With a sampled step armed next and a stream (``out=``), as without."""
+    import time
+
+    from precprof.capture.recorded import Recorded
+
+    read = Recorded.tables
+
+    def slow(self: Recorded) -> dict[str, pd.DataFrame]:
+        time.sleep(0.3)  # a long run's tables, read back from its stream
+        return read(self)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    out = tmp_path / "run" if stream else None
+    prof = precprof.Profiler(model, optimizer=opt, sample_every=every, memory=False, out=out)
+    losses: list[float] = []
+
+    def train(steps: int) -> None:
+        for _ in range(steps):
+            loss = model(torch.randn(8, 16)).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            prof.step(loss=loss.detach())
+            losses.append(loss.item())
+
+    with prof:
+        train(8)  # every=4: steps 0 and 4 sampled, 5-7 waiting, 8 sampled next
+        monkeypatch.setattr(Recorded, "tables", slow if stream else read)
+        looks = [prof.tables()["steps"]]
+        monkeypatch.setattr(Recorded, "tables", read)
+        if not stream:  # what ``prof.report(DIR)`` mid-run writes its page from
+            looks.append(T.read_tables(prof.save(tmp_path / "so-far"))["steps"])
+        for table in looks:
+            assert list(table[T.STEP]) == list(range(8))
+            assert list(table[T.LOSS]) == pytest.approx(losses)
+            assert (table[T.SAMPLED] == [every > 0 and s % every == 0 for s in range(8)]).all()
+        train(3)
+    steps = prof.tables()["steps"]
+    assert list(steps[T.STEP]) == list(range(11)) and list(steps[T.LOSS]) == pytest.approx(losses)
+    if stream:
+        assert float(steps[T.TIME_S].iloc[8]) < 0.3  # the look is not the step's time
+    assert set(prof.tables()["layers"][T.STEP]) == ({0, 4, 8} if every else set())
 
 
 # ------------------------------------------------------------------------- kernels compiled beside training

@@ -205,10 +205,11 @@ class ProfilerResults:
 
     # ------------------------------------------------------------------------------------ results
     def tables(self) -> dict[str, pd.DataFrame]:
-        """The four tables recorded so far (see precprof/tables.py for the schema). Syncs if steps are pending."""
-        if self._pending and not self._attached:
-            self._flush(sampled_step_done=False)
-        return self._recorded.tables()
+        """The four tables so far (precprof/tables.py), every step ended included (syncs if one is pending)."""
+        with self.not_training() if self._attached else contextlib.nullcontext():
+            if self._pending:
+                self._flush(sampled_step_done=False)
+            return self._recorded.tables()
 
     @property
     def compiled_steps(self) -> list[int]:
