@@ -64,6 +64,8 @@ class Unusual(nn.Module):
         self.kind = kind
         if kind == "complex":
             self.filt = nn.Parameter(torch.ones(8, dtype=torch.complex64))
+        if kind == "rope":  # a RoPE table held as a complex buffer (LLaMA's freqs_cis)
+            self.register_buffer("freqs", torch.polar(torch.ones(8), torch.arange(8.0)), persistent=False)
 
     def forward(self, x):
         h = self.emb(x)
@@ -71,6 +73,8 @@ class Unusual(nn.Module):
             h = torch.nn.functional.embedding(x, self.emb.weight, sparse=True)
         if self.kind == "complex":
             h = torch.fft.ifft(torch.fft.fft(h.float(), dim=-1) * self.filt, dim=-1).real.to(h.dtype)
+        if self.kind == "rope":
+            h = (h.float() * self.freqs).real.to(h.dtype)
         if self.kind == "tied":  # the embedding's weight read densely too: autograd sums a dense gradient
             return torch.nn.functional.linear(h, self.emb.weight)
         return self.out(h)
@@ -180,8 +184,9 @@ def test_an_output_that_breaks_the_contract_in_training_says_where_the_partial_r
         (
             "complex",
             ["--precision", "bf16-pure"],
-            ["casts every parameter to bf16", "drop its imaginary part"],
+            ["casts every parameter and buffer to bf16", "drop its imaginary part"],
         ),
+        ("rope", ["--precision", "bf16-pure"], ["freqs is complex64", "drop its imaginary part"]),
     ],
 )
 def test_parameters_the_optimizer_or_precision_cannot_train_are_refused_before_training(

@@ -224,26 +224,35 @@ def complex_parameters(name: str, model: nn.Module, precision: str, loss_scaling
     in a pure mode the cast to 16 bits keeps its real part alone, without a word (torch has no complex bf16,
     and the fp32-state optimizers work in real fp32). fp32 and bf16 autocast train it, its tensors skipped by
     the profiler as README says."""
-    found = [(n, p) for n, p in model.named_parameters() if p.requires_grad and p.is_complex()]
-    if not found:
-        return
-    dtype = str(found[0][1].dtype).removeprefix("torch.")
-    what = f"{name}: {_names([n for n, _ in found])} {'is' if len(found) == 1 else 'are'} {dtype}"
     real = (
         "or hold the parameter as a real tensor, torch.view_as_real(...), and take torch.view_as_complex of it "
         "in forward"
     )
     if precision in PURE_MODES:
-        raise UserError(
-            f"{what}, and --precision {precision} casts every parameter to {precision.removesuffix('-pure')}, "
-            f"which would drop its imaginary part: use --precision bf16 (autocast) or fp32, {real}"
-        )
+        # the pure cast (``model.to``) takes every parameter and buffer, a frozen one and a RoPE table's too
+        held = [(n, t) for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_complex()]
+        if held:
+            raise UserError(
+                f"{_complex_said(name, held)}, and --precision {precision} casts every parameter and buffer to "
+                f"{precision.removesuffix('-pure')}, which would drop its imaginary part: use --precision bf16 "
+                f"(autocast) or fp32, {real}"
+            )
+    found = [(n, p) for n, p in model.named_parameters() if p.requires_grad and p.is_complex()]
+    if not found:
+        return
+    what = _complex_said(name, found)
     if loss_scaling:
         fix = "--precision bf16 or fp32 (no loss scaling)" if precision in FP16_MODES else "--loss-scale none"
         raise UserError(
             f"{what}, and torch's GradScaler cannot unscale complex gradients (loss scaling, --precision "
             f"{precision}): use {fix}, {real}"
         )
+
+
+def _complex_said(name: str, found: Sequence[tuple[str, torch.Tensor]]) -> str:
+    """The complex tensors ``found`` (by name) of the model ``name``, in words: "name: a.w is complex64"."""
+    dtype = str(found[0][1].dtype).removeprefix("torch.")
+    return f"{name}: {_names([n for n, _ in found])} {'is' if len(found) == 1 else 'are'} {dtype}"
 
 
 def layout_note(built: BuiltModel, logits_shape: Sequence[int] | None) -> str:

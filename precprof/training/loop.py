@@ -183,7 +183,8 @@ def grad_norm_(params: Sequence[torch.Tensor], max_norm: float = 0.0) -> torch.T
     Norms are accumulated in fp32 at least, so fp16 gradients cannot overflow the sum; float64 gradients in
     float64 (vector_norm refuses to narrow them), the total then in fp32. A sparse gradient
     (``nn.Embedding(sparse=True)``) counts as its dense self: the norm of its values with duplicate indices
-    summed (``_compat.coalesced_values``), and clipping scales its values; torch's ``clip_grad_norm_`` and
+    summed in its dtype (``_compat.coalesced_values``: as torch's ``coalesce()`` and the optimizer sum them, so an
+    fp16 gradient whose duplicates overflow is inf here as there), and clipping scales its values; torch's ``clip_grad_norm_`` and
     ``vector_norm`` refuse sparse tensors.
     """
     grads = [p.grad for p in params if p.grad is not None]
