@@ -471,7 +471,8 @@ PRECISION_FROM_LAYERS = "layers"  # capture.precision_from of a precision read o
 def precision_in_layers(layers: pd.DataFrame) -> str:
     """The precision mode a layers table's dtypes show, named as ``Profiler.precision_seen`` names the one its
     hooks saw: a pure mode ("bf16-pure") where most parameter elements (the weight rows, each parameter once)
-    are 16-bit, "fp64" where they are float64 (autocast leaves float64 ops alone), autocast's ("bf16", "fp16")
+    are 16-bit, "fp64" where they are float64 and no module made 16-bit activations (autocast leaves float64 ops
+    alone; where it cast a float32 part, its mode), autocast's ("bf16", "fp16")
     where a module with parameters produced 16-bit activations, else "fp32"; "" where the table cannot tell: no rows, or torchao's FP8 or block-format layers (their modes are no
     dtype)."""
     if layers.empty or not {T.TENSOR, T.DTYPE, T.MODULE}.issubset(layers.columns):
@@ -489,10 +490,10 @@ def precision_in_layers(layers: pd.DataFrame) -> str:
     main = str(sizes.idxmax()) if len(sizes) and sizes.max() > 0 else ""
     if main in _LOW_MODES:
         return f"{_LOW_MODES[main]}-pure"
-    if main == "float64":
-        return FP64
     acts = dtypes[((kinds == T.ACTIVATION) & layers[T.MODULE].isin(set(weights[T.MODULE]))).to_numpy()]
     low = acts[acts.isin(_LOW_MODES)]
+    if main == "float64" and not len(low):  # (16-bit activations: autocast cast the float32 part, its mode)
+        return FP64
     if len(low):
         return _LOW_MODES[str(low.value_counts().idxmax())]
     return "fp32" if len(acts) or len(weights) else ""

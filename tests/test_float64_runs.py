@@ -102,3 +102,45 @@ def test_a_float64_model_under_bf16_autocast_ran_in_float64_not_outside_autocast
         found = rec.finding("float64_layers")
         assert found is not None and found.severity == severity and "leaves float64 ops" in found.message
         assert "model.float()" in found.remedy
+
+
+class _Mixed(nn.Module):
+    """A float64 layer holding most of the parameter elements (4,160 of 5,392) after two float32 ones."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 64)
+        self.big = nn.Linear(64, 64).double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.big(self.b(torch.tanh(self.a(x))).double()).float()
+
+
+def test_a_model_mixing_float64_and_float32_layers_under_autocast_trains_in_autocasts_mode() -> None:
+    """Named by the majority of its parameter elements, such a run was "fp64" (title, measured mode, "model.double()"
+    in the projection) while its float32 layers ran in bf16 and the precision check said mixed precision was active
+    (reviewer h108): it is a bf16 run, whose float64 layer the advisor names."""
+    torch.manual_seed(0)
+    model = _Mixed()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with precprof.Profiler(model, opt, sample_every=1) as prof:
+        for _ in range(2):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(torch.randn(6, 8)).float().pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            prof.step(loss=loss.detach())
+    tables, summary = prof.tables(), {T.SUMMARY_CAPTURE: prof.summary()}
+    layers = tables["layers"]
+    acts = layers[layers[T.TENSOR] == T.ACTIVATION]
+    dtypes = {str(m): set(acts.loc[acts[T.MODULE] == m, T.DTYPE].astype(str)) for m in ("a", "b", "big")}
+    assert dtypes == {"a": {"bfloat16"}, "b": {"bfloat16"}, "big": {"float64"}}
+    assert summary[T.SUMMARY_CAPTURE]["precision_seen"] == "bf16" == taxonomy.precision_in_layers(layers)
+    assert S.trained_precision(summary) == "bf16"
+    assert MP.project(tables["memory"], summary)["measured_mode"] == "bf16"
+    assert S.precision_check(layers, tables["memory"], summary)["verdict"].startswith(
+        "Mixed precision is active"
+    )
+    found = advisor.recommend(tables, summary=summary).finding("float64_layers")
+    assert found is not None and found.modules == ["big"] and found.severity == "warning"

@@ -268,6 +268,16 @@ def main_float_dtype(model: nn.Module) -> torch.dtype:
     return max(sizes, key=lambda d: sizes[d]) if sizes else torch.float32
 
 
+def float64_run(main: torch.dtype, model: nn.Module, autocast_on: bool) -> bool:
+    """Whether a run trains in float64 (``precision_seen``'s "fp64"): float64 holds most of ``model``'s parameter
+    elements (``main``, ``main_float_dtype``), and autocast, when on, has no float32 parameter to run in 16 bits
+    (a model mixing float64 and float32 layers under autocast trains in its mode; the float64 layers are named
+    by the advisor's ``float64_layers``)."""
+    if main != torch.float64:
+        return False
+    return not autocast_on or not any(p.dtype == torch.float32 for p in model.parameters())
+
+
 def low_precision_linear(model: nn.Module) -> str | None:
     """The precision the model's torchao training layers run their GEMMs in: "fp8" with an FP8 training layer (a
     Float8Linear, or an nn.Linear whose weight ``quantize_`` made an FP8 training weight), else the MX formats of

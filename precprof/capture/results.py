@@ -25,6 +25,7 @@ from precprof.capture.model_facts import (
     compiled_parts,
     dropout_layers,
     dropped_biases,
+    float64_run,
     fp8_emulated,
     fp8_recipes,
     low_precision_buffers,
@@ -385,17 +386,16 @@ class ProfilerResults:
     def precision_seen(self) -> str | None:
         """The precision mode this loop trains in, as the built-in loop names them (``precprof.modes``), read
         from what the hooks saw: autocast and its dtype on the first recorded forward pass, a torchao Float8
-        linear layer, torchao's MX layers (their format, "mxfp8": no mode of the built-in loop), float64 parameters
-        ("fp64", with autocast on or off: it leaves float64 ops alone), a wrapper's mixed precision (FSDP's
-        ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)`` over fp32 parameters: bf16, as autocast over them),
-        the parameters' dtype. None before any forward pass was recorded."""
+        linear layer, torchao's MX layers (their format, "mxfp8": no mode of the built-in loop), float64
+        parameters ("fp64": ``float64_run``), a wrapper's mixed precision (FSDP's ``MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16)`` over fp32 parameters: bf16), the parameters' dtype; None before a forward."""
         autocast = self._autocast_seen
         if not autocast:
             return None
         model = _compat.unwrapped(self.model)
         if (layers := low_precision_linear(model)) is not None:  # torchao's FP8 or MX training layers
             return layers
-        if (main := main_float_dtype(model)) == torch.float64:
+        if float64_run(main := main_float_dtype(model), model, bool(autocast.get("enabled"))):
             return FP64
         if autocast.get("enabled"):
             dtype = autocast.get("dtype")
