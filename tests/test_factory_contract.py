@@ -14,10 +14,12 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
 from precprof import cli
 from precprof import tables as T
-from precprof.training import Callback, TrainConfig, TrainRun, train
+from precprof.errors import UserError
+from precprof.training import Callback, TrainConfig, TrainRun, contract, train
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 TINY = ["--batch-size", "2", "--seq-len", "8", "--no-progress", "--device", "cpu"]
@@ -265,3 +267,31 @@ def test_a_sparse_gradient_no_layer_announced_is_refused_at_step_0(
     assert rc == 2 and len(lines) == 3, err
     assert "emb.weight gets a sparse gradient" in lines[0] and "use --optimizer sgd," in lines[0]
     assert lines[1] == f"precprof: training stopped: the partial run is in {out} (0 finished steps)"
+
+
+@pytest.mark.parametrize(("kind", "refused"), [("sparse", True), ("tied", False)])
+def test_a_sparse_gradient_under_fsdp_is_refused_before_training(kind: str, refused: bool) -> None:
+    """Under torchrun with --distributed fsdp2 (or fsdp1) a sparse embedding died in step 0's backward (reviewer
+    h108: fsdp2's chunk_cat and fsdp1's flattening have no sparse kernel; checked with torchrun on 2 gloo ranks):
+    refused before training in one line, whatever the optimizer; a tied head's dense gradient is not refused."""
+    namespace: dict[str, object] = {}
+    exec(MODELS, namespace)
+    model = namespace["unusual"](16, kind)
+    ids = torch.randint(0, 16, (2, 8))
+
+    def forward_loss(batch: int) -> torch.Tensor:
+        return model(ids[:batch]).float().pow(2).mean()
+
+    def check(sharded: str) -> None:
+        contract.sparse_gradients("m.py:unusual", model, forward_loss, 2, "sgd", 0.0, sharded)
+
+    check("")  # SGD without weight decay takes it outside FSDP
+    if not refused:
+        check("fsdp2")
+        return
+    for strategy in ("fsdp2", "fsdp1"):
+        with pytest.raises(
+            UserError, match=f"emb.weight gets a sparse gradient .* --distributed {strategy} cannot"
+        ):
+            check(strategy)
+    assert all(p.grad is None for p in model.parameters())  # the pass set no gradient

@@ -170,16 +170,19 @@ def sparse_gradients(
     batch_size: int,
     optimizer: str,
     weight_decay: float,
+    sharded: str = "",
 ) -> None:
     """Refuse (``refuse_sparse``) before training the sparse gradients the run's optimizer cannot take. A model
     with ``sparse_modules`` under such an optimizer is asked which of them get a sparse gradient: one forward
     pass and loss at the run's ``batch_size`` (as ``check_forward``) and their gradients
     (``torch.autograd.grad``: no ``.grad`` is set), training unchanged (``footprint.run_once``). No pass for
-    any other model or for SGD without weight decay."""
-    if optimizer == OptimizerName.SGD.value and not weight_decay:
-        return
+    any other model or for SGD without weight decay outside FSDP. Under FSDP (``sharded``: the
+    ``--distributed`` strategy, fsdp1 or fsdp2) a sparse gradient is refused whatever the optimizer: it cannot be
+    sharded (fsdp2's ``chunk_cat`` and fsdp1's flattening have no sparse kernel: an error in step 0's backward).
+    DDP reduces it as it is."""
     params = sparse_modules(model)
-    if not params:
+    fsdp = sharded.startswith("fsdp")
+    if not params or (optimizer == OptimizerName.SGD.value and not weight_decay and not fsdp):
         return
     found: list[str] = []
 
@@ -190,6 +193,12 @@ def sparse_gradients(
         return loss
 
     footprint.run_once(model, forward_backward)
+    if fsdp and found:
+        raise UserError(
+            f"{name}: {_names(found)} {'gets a sparse gradient' if len(found) == 1 else 'get sparse gradients'} "
+            f"(sparse=True in its embedding), which --distributed {sharded} cannot shard: use --distributed ddp, "
+            "or sparse=False in the model's embedding"
+        )
     refuse_sparse(name, found, optimizer, weight_decay)
 
 

@@ -370,7 +370,13 @@ def _prepare(config: TrainConfig, profiler_kwargs: dict[str, Any] | None) -> _Se
         )
         # sparse gradients the optimizer cannot take, in one line before the run directory is made
         contract.sparse_gradients(
-            built.name, model, forward_loss, config.batch_size, config.optimizer, config.weight_decay
+            built.name,
+            model,
+            forward_loss,
+            config.batch_size,
+            config.optimizer,
+            config.weight_decay,
+            config.distributed if dist_info is not None else "",
         )
         built = built.with_logits_vocab(shapes[0] if shapes else None)
         inner = model
