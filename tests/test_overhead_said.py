@@ -60,13 +60,16 @@ def _said(prof: precprof.Profiler) -> tuple[dict[str, Any], str, str]:
     return summary, head, row
 
 
+@pytest.mark.parametrize("every", [2, 1])
 def test_a_run_whose_sampled_steps_waited_for_the_writer_says_how_much_and_what_to_do(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, every: int
 ) -> None:
     """Every 2nd step sampled, and the writer (the thread here, as where the process cannot start) held at its
     first flush until a sampled step waits for room in its queue, then 0.1 s more. A run 20x slower than
     without precprof (a niceness-19 writer on busy cores) had said "overhead 88.9%" and no cause: the summary has
-    the wait and the header says its share of precprof's time, and what to do."""
+    the wait and the header says its share of precprof's time, and what to do. Every step sampled (no
+    unsampled step, so no share of precprof's): its share of the run's time, where a run that waited 244 s of
+    its 342 s had said nothing (h104)."""
     write, wait_for_room = stream_child.write_flush, stream.StreamWriter._wait_for_room
     step_waits, first = threading.Event(), [True]
 
@@ -83,17 +86,25 @@ def test_a_run_whose_sampled_steps_waited_for_the_writer_says_how_much_and_what_
     monkeypatch.setattr(stream, "USE_PROCESS", False)
     monkeypatch.setattr(stream_child, "write_flush", held)
     monkeypatch.setattr(stream.StreamWriter, "_wait_for_room", waiting)
-    with _profiler(sample_every=2, out=tmp_path / "run") as prof:
+    with _profiler(sample_every=every, out=tmp_path / "run") as prof:
         _train(prof, 12)
     summary, head, _ = _said(prof)
     streamed, sampling = summary[T.SUMMARY_CAPTURE]["stream"], summary[T.SUMMARY_CAPTURE]["sampling"]
     assert streamed["waited_s"] > 0.1 and streamed["waits"] >= 1, streamed
     assert streamed["prepared_s"] > 0 and streamed["writer"] == "thread"
-    added = sampling["overhead"] * sampling["run_s"]
-    share = F.pct(min(1.0, streamed["waited_s"] / added))
-    assert f"{share} of precprof's time was sampled steps waiting for the run directory's writer (" in head, (
-        head
-    )
+    if every == 1:
+        assert sampling["overhead"] is None and sampling["run_s"] > 0, sampling
+        share = F.pct(min(1.0, streamed["waited_s"] / sampling["run_s"]))
+        assert head.startswith(
+            "not measured (every step sampled: no unsampled step to measure a sampled one's cost against). "
+            f"{share} of the run's time was sampled steps waiting for the run directory's writer ("
+        ), head
+    else:
+        added = sampling["overhead"] * sampling["run_s"]
+        share = F.pct(min(1.0, streamed["waited_s"] / added))
+        assert (
+            f"{share} of precprof's time was sampled steps waiting for the run directory's writer (" in head
+        ), head
     assert (
         "slower than they came. Sampling fewer steps waits less, and a Profiler without out= (its rows "
         in head
@@ -118,6 +129,18 @@ def test_the_writer_wait_is_said_from_a_share_of_precprofs_time_with_the_writers
         == ""
     )
     assert overhead.writer_wait({"sampling": sampling, "stream": None}) == ""
+    # every step sampled (no share of precprof's): the wait of h104's 391-module run, of the run's time
+    every = {"mode": "every", "every": 1, "overhead": None, "run_s": 341.768}
+    long_wait = {**stream_, "waited_s": 243.723, "waits": 66}
+    assert overhead.writer_wait({"sampling": every, "stream": long_wait}).startswith(
+        "71.3% of the run's time was sampled steps waiting for the run directory's writer (244 s in 66 steps), "
+        "which wrote their rows slower than they came: it is a process at niceness 19, "
+    )
+    # precprof's share withheld (too few steps timed): of the run's time too, from the same 10% of it
+    assert overhead.writer_wait({"sampling": sampling, "stream": stream_}, share_known=False).startswith(
+        "80.5% of the run's time was sampled steps waiting"
+    )
+    assert overhead.writer_wait({"sampling": every, "stream": {**stream_, "waited_s": 0.09 * 341.768}}) == ""
 
 
 def test_a_run_kept_in_memory_says_no_wait(tmp_path: Path) -> None:

@@ -356,7 +356,9 @@ def _overhead(summary: Mapping[str, Any], tp: dict[str, Any]) -> str:
         return _overhead_unsampled(sampling, tp)
     share, budget = sampling.get("overhead"), sampling.get("budget")
     if not isinstance(share, (int, float)) or not math.isfinite(share) or share < 0:
-        return ""
+        # no unsampled step timed (sample_every=1): no share, but a wait for the writer is said of the run's time
+        wait = writer_wait(capture, share_known=False) if isinstance(capture, Mapping) else ""
+        return f"not measured ({_unmeasured(sampling, tp)}). {wait}" if wait else ""
     text = f"{F.pct(float(share))} of the run's time"
     said = []
     withheld = environment.overhead_withheld(tp)
@@ -374,8 +376,17 @@ def _overhead(summary: Mapping[str, Any], tp: dict[str, Any]) -> str:
         text = f"at most {text}"
         said.append("an upper bound: a sampled step adds less than the steps' times vary")
     # sampled steps that waited for the run directory's writer: how much of precprof's time, and what to do
-    wait = "" if withheld or not isinstance(capture, Mapping) else writer_wait(capture)
+    # (of the run's time where precprof's share is withheld)
+    wait = writer_wait(capture, share_known=not withheld) if isinstance(capture, Mapping) else ""
     return text + (f" ({'; '.join(said)})" if said else "") + (f". {wait}" if wait else "")
+
+
+def _unmeasured(sampling: Mapping[str, Any], tp: Mapping[str, Any]) -> str:
+    """Why the sampler has no overhead figure, in words: every step sampled, none to time a sampled one's
+    cost against; else the timed steps' counts."""
+    if sampling.get("mode") == "every" and sampling.get("every") == 1:
+        return "every step sampled: no unsampled step to measure a sampled one's cost against"
+    return environment.overhead_withheld(tp) or "no unsampled step timed"
 
 
 def _overhead_unsampled(sampling: Mapping[str, Any], tp: Mapping[str, Any]) -> str:

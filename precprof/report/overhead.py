@@ -98,25 +98,34 @@ def _design(events: bool, first: bool) -> str:
     return "the first step after each kind of event is sampled whatever the budget"
 
 
-def writer_wait(capture: Mapping[str, Any]) -> str:
+def writer_wait(capture: Mapping[str, Any], share_known: bool = True) -> str:
     """Where the training's thread waited for room in the queue of the run directory's writer
     (``capture.stream.waited_s``) for at least ``WRITER_WAIT_SAID`` of precprof's added time (the overhead's
     share of ``capture.sampling.run_s``): that share, and what to do, in words; "" otherwise (a run kept in
-    memory, a summary without the figures)."""
+    memory, a summary without the figures). Where precprof's share is not known (every step sampled: no
+    unsampled step to measure it against) or not said (``share_known`` False: too few steps timed), the wait's
+    share of the run's time, said from ``WRITER_WAIT_SAID`` of it (precprof's time is part of the run's, so the
+    wait is then at least that share of precprof's too): a ``sample_every=1`` run that waited 244 s of its
+    342 s had said nothing."""
     stream, sampling = _map(capture.get("stream")), _map(capture.get("sampling"))
     waited, overhead, run_s = (
         _number(v) for v in (stream.get("waited_s"), sampling.get("overhead"), sampling.get("run_s"))
     )
-    if waited is None or overhead is None or run_s is None or not waited > 0:
+    if waited is None or run_s is None or not waited > 0:
         return ""
-    added = overhead * run_s
-    if not added > 0 or waited < WRITER_WAIT_SAID * added:
-        return ""
+    if share_known and overhead is not None:
+        added = overhead * run_s
+        if not added > 0 or waited < WRITER_WAIT_SAID * added:
+            return ""
+        of = f"{F.pct(min(1.0, waited / added))} of precprof's time"
+    else:
+        if not run_s > 0 or waited < WRITER_WAIT_SAID * run_s:
+            return ""
+        of = f"{F.pct(min(1.0, waited / run_s))} of the run's time"
     n = int(_number(stream.get("waits")) or 0)
     text = (
-        f"{F.pct(min(1.0, waited / added))} of precprof's time was sampled steps waiting for the run directory's "
-        f"writer ({F.num(waited)} s in {F.count(n)} step{'s' if n != 1 else ''}), which wrote their rows slower "
-        "than they came"
+        f"{of} was sampled steps waiting for the run directory's writer ({F.num(waited)} s in {F.count(n)} "
+        f"step{'s' if n != 1 else ''}), which wrote their rows slower than they came"
     )
     niceness = _number(stream.get("writer_niceness"))
     if stream.get("writer") == "process" and niceness is not None and niceness > 0:
