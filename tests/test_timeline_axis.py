@@ -1,11 +1,16 @@
-"""The "Over the run" strip's axes: ticks at round step numbers, and one notation on its colour bar."""
+"""The "Over the run" strip's axes: ticks at round step numbers, one notation on its colour bar, and the exact
+columns' labels kept apart."""
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
+import pandas as pd
 
 from precprof import tables as T
 from precprof.report import timeline
+from precprof.report.plots.common import FIG_WIDTH_PX, png_bytes
 
 
 def _timeline(starts: list[int], ends: list[int] | None = None) -> timeline.Timeline:
@@ -56,3 +61,44 @@ def test_the_colour_bar_writes_every_share_in_decimals() -> None:
     ]
     # "1e-05%" below "0.0001%" before
     assert ticks[:3] == ["0.00001%", "0.0001%", "0.001%"] and not any("e" in t for t in ticks), ticks
+
+
+def test_the_exact_columns_labels_keep_apart_where_the_worst_step_is_next_to_the_first_or_last() -> None:
+    """200 sampled steps (windowed), the worst one two steps from the last, then two from the first: "worst 192"
+    and "last 199" were drawn over each other as "worstlast / 192199" (h104). By the labels' drawn extents at the
+    page's own pixels, none overlaps another, they read in their columns' order, and the first and last stay over
+    their columns."""
+    for worst in (197, 2):
+        rows = [
+            {
+                T.STEP: step,
+                T.MODULE: "0",
+                T.TENSOR: kind,
+                T.PARAM: "",
+                T.NUMEL: 1000,
+                T.underflow_col("fp16"): 50 if step == worst else 1,
+                T.overflow_col("fp16"): 0,
+                T.NAN: 0,
+                T.INF: 0,
+                T.ZEROS: 0,
+            }
+            for step in range(200)
+            for kind in (T.ACTIVATION, T.ACTIVATION_GRAD)
+        ]
+        tl = timeline.timeline(pd.DataFrame(rows))
+        assert tl is not None and sorted(tl.exact.values()) == ["first", "last", "worst"], tl
+        fig = timeline.timeline_figure(tl)
+        png_bytes(fig)  # drawn as the page draws it
+        assert fig.bbox.width == FIG_WIDTH_PX
+        renderer = fig.canvas.get_renderer()  # type: ignore[attr-defined]
+        ax = fig.axes[0]
+        notes = sorted(ax.texts, key=lambda t: t.get_window_extent(renderer).x0)
+        said = [t.get_text().split("\n") for t in notes]
+        assert said == [["first", "0"], ["worst", str(worst)], ["last", "199"]], said
+        boxes = [t.get_window_extent(renderer) for t in notes]
+        for a, b in itertools.pairwise(boxes):
+            assert a.x1 < b.x0, (worst, said, boxes)
+        for t, box in ((notes[0], boxes[0]), (notes[-1], boxes[-1])):  # centred on their own columns
+            col = next(c for c, what in tl.exact.items() if what == t.get_text().split("\n")[0])
+            x = ax.transData.transform((col + 0.5, 0))[0]
+            assert abs((box.x0 + box.x1) / 2 - x) < 1, (t.get_text(), box, x)

@@ -12,6 +12,7 @@ says what was aggregated.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -20,6 +21,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.colors import LogNorm
 from matplotlib.figure import Figure
+from matplotlib.text import Annotation
 from matplotlib.ticker import FuncFormatter, MaxNLocator
 
 from precprof import formats
@@ -31,6 +33,8 @@ from precprof.report.plots.common import FIG_WIDTH_IN, MIN_FONT_PT, _pct, fit_ma
 MAX_COLUMNS = 120
 FORMAT = "fp16"
 FLOOR = 1e-7  # shares below it are drawn as nothing lost
+NOTE_RISE_PT = 4.0  # the exact columns' labels: their height above the axes
+NOTE_GAP_PT = 4.0  # and the least room between two of them
 
 
 @dataclass
@@ -209,6 +213,27 @@ def step_ticks(tl: Timeline, most: int = 6) -> tuple[np.ndarray, list[str]]:
     return np.array(xs), [f"{v}" for v in kept]
 
 
+def _apart(fig: Figure, notes: list[Annotation]) -> None:
+    """Move the exact columns' labels (``notes``, left to right) apart where they would overlap, by their drawn
+    extents: the exact columns are next to each other whenever the worst step is within a few windows of the
+    first or last ("worst 192" and "last 199" read "worstlast / 192199"). The first and last labels stay over
+    their columns; the worst one moves away from them, as little as keeps ``NOTE_GAP_PT`` between them (the
+    columns' order is the labels')."""
+    if len(notes) < 2:
+        return
+    renderer = fig.canvas.get_renderer()  # type: ignore[attr-defined]
+    to_pt = 72.0 / fig.dpi
+    for left, right in itertools.pairwise(notes):
+        a, b = left.get_window_extent(renderer), right.get_window_extent(renderer)
+        need = a.x1 + NOTE_GAP_PT / to_pt - b.x0  # pixels
+        if need <= 0:
+            continue
+        # the first label stays, the one after it moves right; else the last stays, the one before it left
+        moved, by = (right, need) if left is notes[0] else (left, -need)
+        x, y = moved.xyann
+        moved.xyann = (x + by * to_pt, y)
+
+
 def timeline_figure(tl: Timeline, restarts: list[int] | None = None) -> Figure:
     """Tensor kinds (rows) by columns of sampled steps, coloured by the share lost in FP16 (log scale); exact
     columns of a long run marked above, restarts of a resumed run drawn as dashed lines."""
@@ -237,16 +262,19 @@ def timeline_figure(tl: Timeline, restarts: list[int] | None = None) -> Figure:
     ax.set_xlabel(
         "step" + (" (columns: windows of consecutive sampled steps)" if tl.aggregated else ""), fontsize=8.5
     )
-    for c, what in tl.exact.items():
-        ax.annotate(
-            f"{what}\n{tl.starts[c]}",
-            (c + 0.5, 0),
-            xytext=(0, 4),
-            textcoords="offset points",
-            ha="center",
-            va="bottom",
-            fontsize=MIN_FONT_PT,
-            annotation_clip=False,
+    notes: list[Annotation] = []
+    for c, what in sorted(tl.exact.items()):
+        notes.append(
+            ax.annotate(
+                f"{what}\n{tl.starts[c]}",
+                (c + 0.5, 0),
+                xytext=(0, NOTE_RISE_PT),
+                textcoords="offset points",
+                ha="center",
+                va="bottom",
+                fontsize=MIN_FONT_PT,
+                annotation_clip=False,
+            )
         )
         ax.axvline(c, color="#555", lw=0.4)
         ax.axvline(c + 1, color="#555", lw=0.4)
@@ -256,6 +284,7 @@ def timeline_figure(tl: Timeline, restarts: list[int] | None = None) -> Figure:
             ax.axvline(col, color="#2c7fb8", ls="--", lw=1.4)
     fit_margins(fig)  # the kinds' names on the left, the step labels below
     fig.subplots_adjust(right=0.8)  # room for the colour bar, added beside the axes where they now are
+    _apart(fig, notes)
     box = ax.get_position()
     cax = fig.add_axes((box.x1 + 0.015, box.y0, 0.014, box.height))
     # the heatmaps' percentages: "100%" at the top of a run that lost every value, not "1e+02%"
