@@ -37,10 +37,11 @@ import precprof
 from precprof import tables as T
 from precprof.analysis import update_ratio
 from precprof.analysis.advisor import CRITICAL, AdvisorConfig
+from precprof.capture import records
 from precprof.hardware import HardwareInfo
 from precprof.report import context as report_context
+from precprof.report import numbers, timeline
 from precprof.report import summarize as S
-from precprof.report import timeline
 from precprof.report.environment import capture_rows
 from precprof.report.render import environment, render_html
 
@@ -739,6 +740,12 @@ def test_g_the_lost_update_share_is_the_models_not_the_samples() -> None:
     assert lost.numbers["share"] == pytest.approx(share, rel=1e-9)
     assert lost.numbers["sampled_share"] == pytest.approx(sampled, rel=1e-9)
     assert lost.numbers["update_sample"] == 256
+    # a cap, which the page says it is: a 32x32 weight's strided sample holds 205 (h104 read "... per parameter
+    # 256" beside rows of 205 and 228)
+    assert ("elements sampled per parameter, at most", "256") in numbers.shown(
+        "bf16_lost_updates", lost.numbers
+    )
+    assert wu[T.NUMEL].max() <= 256 and -(-1024 // records.sample_stride(1024, 256, 32)) == 205
     assert f"an estimated {100 * share:.3g}% of the intended weight-update elements" in lost.message
     assert (
         "estimated from a sample of at most 256 strided elements of each parameter, spread across its columns"

@@ -170,7 +170,8 @@ LABELS: dict[Any, tuple[str, str] | None] = {
     "lost": ("sampled updates lost", "count"),
     "nonzero_updates": ("sampled nonzero updates counted", "count"),
     "sampled_share": ("share of the sampled updates lost, each parameter's sample counted alike", "share"),
-    "update_sample": ("elements sampled per parameter", "count"),
+    # a cap: a 32x32 weight's sample holds 205 (capture/records.py, sample_stride)
+    "update_sample": ("elements sampled per parameter, at most", "count"),
     "nonfinite_updates": ("updates that were nan or inf, left out", "count"),
     "zero_gradient_updates": ("updates of weights with a zero gradient, left out", "count"),
     "zero_gradient_lost": ("of those, lost", "count"),
