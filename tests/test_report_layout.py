@@ -7,6 +7,8 @@ figure and measures every visible text's extent in pixels against the figure's o
 
 from __future__ import annotations
 
+import re
+from collections import OrderedDict
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,7 @@ from matplotlib.text import Text
 from report_fixtures import gpt_layers, synthetic_run
 
 from precprof import tables as T
+from precprof.report import context as report_context
 from precprof.report import filters, plots, render
 from precprof.report import memory_summary as M
 from precprof.report import summarize as S
@@ -536,3 +539,63 @@ def test_tied_rows_are_kept_or_left_out_by_whole_layers() -> None:
     layers = sorted(int(m.split(".")[1]) for m in inner)
     assert layers[0] <= 2 and layers[-1] >= 57  # from end to end
     assert len(sel.gaps()) < 30
+
+
+def test_the_largest_saved_activations_say_what_they_are_the_top_of_and_list_ties_in_forward_order(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A tiny real run of 16 blocks whose layers save the same bytes each: the table showed 10 of 48 tied
+    modules in no order, and not that they were the top 10 of 484 (h104). It lists them largest first, ties in
+    forward order (not by name), and says of how many modules, and how many ties were
+    left out, counted from the run's own memory table."""
+    import torch
+    from torch import nn
+
+    import precprof
+
+    torch.manual_seed(0)
+    # named against forward order: x31 runs first, x0 last (by name or number, x0 would lead)
+    blocks = [m for _ in range(16) for m in (nn.Linear(8, 8), nn.Tanh())]
+    model = nn.Sequential(OrderedDict((f"x{31 - i}", m) for i, m in enumerate(blocks)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with precprof.Profiler(model, opt, sample_every=1) as prof:
+        for _ in range(1):
+            model(torch.randn(4, 8)).square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            prof.step()
+    tabs, summary = prof.tables(), prof.run_summary()
+    mem = T.memory_at(tabs["memory"])
+    acts = mem[(mem[T.STEP] == mem[T.STEP].max()) & (mem[T.COMPONENT] == T.ACTIVATIONS)]
+    per = acts.groupby(T.MODULE)[T.BYTES].sum()
+    per = per[per > 0]
+    order = S.forward_order(tabs["layers"], T.shared_params(summary))
+    measured = M.measured_memory(tabs["memory"], order)
+    top = measured["top_activations"]
+    assert len(top) == M.TOP_ACTIVATIONS and len(per) > M.TOP_ACTIVATIONS
+    assert [b for _, b in top] == sorted(per.to_numpy(dtype=float), reverse=True)[: M.TOP_ACTIVATIONS]
+    last = top[-1][1]
+    tied = [m for m in order if per.get(m) == last]  # in forward order
+    shown = [m for m, b in top if b == last]
+    assert shown == tied[: len(shown)] and len(tied) > len(shown), (shown, tied)
+    assert shown == sorted(shown, key=lambda m: -int(m[1:])), shown
+    note = (
+        f"The 10 that saved the most of the {len(per)} modules (and memory scopes) that saved any, largest first; "
+        f"{len(tied) - len(shown)} more saved {filters.nbytes(last)} each, as the last {len(shown)} shown did, "
+        "and are left out (ties are listed in forward order)."
+    )
+    assert measured["top_activations_note"] == note
+    # the page's memory section, from this repository's templates, with the table in that order and the note
+    # below it: the report's own ordering (context._memory, whose table it is)
+    monkeypatch.setattr(render, "templates_dir", lambda: TEMPLATES)
+    memory = report_context._memory(tabs, summary)
+    assert memory["measured"]["top_activations"] == top
+    page = (
+        render.environment()
+        .get_template("_memory.html.j2")
+        .render(memory=memory, section={"id": "memory", "number": 6, "heading": "Memory"})
+    )
+    section = page[page.index("<h3>Largest saved activations</h3>") :]
+    section = section[: section.index("</div>")]
+    assert [m.replace("<wbr>", "") for m in re.findall(r"<code>(.*?)</code>", section)] == [m for m, _ in top]
+    assert f'<p class="what" id="memory-top-activations">{note}</p>' in section

@@ -635,7 +635,10 @@ def _fp16_already(layers: pd.DataFrame) -> list[dict[str, Any]]:
 
 
 def _memory(tables: Mapping[str, pd.DataFrame], summary: Mapping[str, Any]) -> dict[str, Any]:
-    measured = M.measured_memory(tables["memory"])
+    # the largest saved activations' ties in forward order
+    measured = M.measured_memory(
+        tables["memory"], S.forward_order(tables["layers"], T.shared_params(summary))
+    )
     records = M.memory_records(summary)
     fig = plots.memory_figure(measured, records, S.trained_precision(summary))
     mem = summary.get(T.SUMMARY_MEMORY)

@@ -6,7 +6,8 @@ peak. Pure pandas over the memory table and ``summary["memory"]``; no plotting, 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+import re
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import pandas as pd
@@ -148,16 +149,21 @@ def logits_lever(memory: pd.DataFrame, at_peak: Mapping[str, Any] | None) -> dic
     }
 
 
-def measured_memory(memory: pd.DataFrame) -> dict[str, Any]:
+# the modules the "Largest saved activations" table lists
+TOP_ACTIVATIONS = 10
+
+
+def measured_memory(memory: pd.DataFrame, order: Sequence[str] = ()) -> dict[str, Any]:
     """Totals per component at the measured step that stands for the run (``representative_step``: the one that
-    held the most), its peaks, top activation modules, and what was allocated at its allocator's peak
-    (``peak_parts``).
+    held the most), its peaks, top activation modules (``top_saved``; ties in ``order``, the modules' forward
+    order), and what was allocated at its allocator's peak (``peak_parts``).
 
     Returns {"step", "held": {step: bytes held} of every measured step, "components": {component: bytes},
     "loss_not_counted" (activations were measured, none under ``Profiler.memory_scope``),
     "peaks": {component: bytes}, "peak_steps": {component: step} (a peak the step does not have is the highest
     of the other steps': in a user's loop on CUDA a step below an earlier peak has only a lower bound,
-    tables.ALLOCATOR_SEEN_MAX), "top_activations": [(module, bytes)], "total": bytes of the stacked components,
+    tables.ALLOCATOR_SEEN_MAX), "top_activations": [(module, bytes)], "top_activations_note": what they are of
+    (``top_saved``), "total": bytes of the stacked components,
     "at_peak": ``peak_parts`` or None, "logits": ``logits_lever`` or None}.
     """
     step = representative_step(memory)
@@ -172,6 +178,7 @@ def measured_memory(memory: pd.DataFrame) -> dict[str, Any]:
             "peaks": {},
             "peak_steps": {},
             "top_activations": [],
+            "top_activations_note": "",
             "loss_not_counted": False,
             "total": 0.0,
             "at_peak": None,
@@ -184,19 +191,15 @@ def measured_memory(memory: pd.DataFrame) -> dict[str, Any]:
     peaks, peak_steps = _peaks(memory, step)
     acts = last[last[T.COMPONENT] == T.ACTIVATIONS]
     scopes = T.texts(acts[T.MODULE]).str.startswith("(")  # prof.memory_scope()'s names: "(loss)" by default
-    top = (
-        pd.to_numeric(acts[T.BYTES], errors="coerce")
-        .groupby(acts[T.MODULE])
-        .sum()
-        .sort_values(ascending=False)
-    )
+    top, note = top_saved(pd.to_numeric(acts[T.BYTES], errors="coerce").groupby(acts[T.MODULE]).sum(), order)
     return {
         "step": step,
         "held": {int(k): float(v) for k, v in held_per_step(memory).items()},
         "components": comps,
         "peaks": peaks,
         "peak_steps": peak_steps,
-        "top_activations": [(str(m), float(v)) for m, v in top.head(10).items()],
+        "top_activations": top,
+        "top_activations_note": note,
         # activations measured, and none saved under a memory scope: a loss computed in the user's loop,
         # outside the model's forward, was not counted
         "loss_not_counted": bool(len(acts)) and not scopes.any(),
@@ -204,6 +207,45 @@ def measured_memory(memory: pd.DataFrame) -> dict[str, Any]:
         "at_peak": at_peak,
         "logits": logits,
     }
+
+
+def top_saved(per_module: pd.Series, order: Sequence[str] = ()) -> tuple[list[tuple[str, float]], str]:
+    """The ``TOP_ACTIVATIONS`` modules (and memory scopes) of ``per_module`` (bytes saved per module) that saved
+    the most, largest first, ties in ``order`` (forward order, a container at its first child's place; the rest
+    after, by name with its numbers as numbers), and what they are of in words where some are left out: how many
+    saved any, and how many of those left out saved as much as the last shown (a 48-layer model's table showed
+    10 of 48 tied attention modules, in no order, and not that it was the top 10 of 484)."""
+    saved = per_module[per_module > 0]
+    rank: dict[str, int] = {}
+    for i, m in enumerate(order):
+        parts = str(m).split(".")
+        for k in range(len(parts), 0, -1):
+            rank.setdefault(".".join(parts[:k]), i)
+    ranked = sorted(
+        ((str(m), float(b)) for m, b in saved.items()),
+        key=lambda mb: (-mb[1], rank.get(mb[0], len(rank)), _natural(mb[0])),
+    )
+    top, rest = ranked[:TOP_ACTIVATIONS], ranked[TOP_ACTIVATIONS:]
+    if not rest:
+        return top, ""
+    note = (
+        f"The {len(top)} that saved the most of the {F.count(len(ranked))} modules (and memory scopes) that saved "
+        "any, largest first"
+    )
+    last = top[-1][1]
+    tied = sum(b == last for _, b in rest)
+    if tied:
+        shown = sum(b == last for _, b in top)
+        note += (
+            f"; {F.count(tied)} more saved {F.nbytes(last)} each, as the last {F.count(shown)} shown did, and are "
+            "left out (ties are listed in forward order)"
+        )
+    return top, note + "."
+
+
+def _natural(name: str) -> list[tuple[int, str]]:
+    """A name's sort key with its numbers as numbers: layers.2 before layers.10."""
+    return [(int(p), "") if p.isdigit() else (-1, p) for p in re.split(r"(\d+)", name) if p]
 
 
 def _peaks(memory: pd.DataFrame, step: int) -> tuple[dict[str, float], dict[str, int]]:
