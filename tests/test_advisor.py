@@ -2703,3 +2703,20 @@ def test_the_weights_turned_nonfinite_between_two_sampled_steps_name_the_two_opt
         "the optimizer step of step 0 or of step 1 (step 1 was not sampled) turned finite gradients into "
         "non-finite weights" in f.message
     )
+
+
+def test_a_module_named_by_numbers_alone_reads_as_a_name_in_prose() -> None:
+    """An nn.Sequential's children are named "16", "58": a finding's "worst: 16 90.2%, 58 90.2%" read as counts
+    beside shares (h104). Such a name is quoted; every other name reads as it did, and steps stay numbers."""
+    from precprof.analysis.advisor.text import _listed, _listing, _name
+
+    assert [_name(m) for m in ("16", "3.1", "fc", "model.layers.3.mlp", "", "0:input")] == [
+        '"16"',
+        '"3.1"',
+        "fc",
+        "model.layers.3.mlp",
+        "(model)",
+        "0:input",
+    ]
+    assert _listing(["0", "2", "head", "4"], 3) == '"0", "2", head and 1 more'
+    assert _listed(["0", "1", "2"], 6) == "0, 1, 2"

@@ -56,7 +56,7 @@ def test_the_fp16_overflow_that_made_a_run_diverge_is_its_cause() -> None:
     f = rec.finding("fp16_activation_overflow")
     assert f is not None and f.severity == "critical" and f.modules == ["0"]
     assert f.numbers["diverged_step"] == 2 and f.numbers["observed_inf_modules"] == 1
-    assert f"At step 2, where the run diverged, the {inf:,} inf of 0 were the first non-finite" in f.message
+    assert f'At step 2, where the run diverged, the {inf:,} inf of "0" were the first non-finite' in f.message
     assert "0" in rec.fp16_keep_fp32
     diverged = rec.finding("run_diverged")
     assert diverged is not None and diverged.numbers["step"] == 2
@@ -123,8 +123,8 @@ def test_the_fp16_loss_scale_is_sized_on_the_gradients_fp16_computes() -> None:
     fits = [j for j in range(-16, 33) if float(fp16[T.ABSMAX].max()) * 2.0**j < 65504 / 4]
     assert k == max(fits) and ln_weight * 2.0 ** (k - 2) >= 65504 / 4
     top = fp16.loc[fp16[T.ABSMAX].idxmax()]
-    assert f"(1's weight gradient, step {int(top[T.STEP])})" in f.message and top[T.MODULE] == "1"
-    assert "leaving out the weight gradients of 0, which autocast computed in fp32" in f.message
+    assert f'("1"\'s weight gradient, step {int(top[T.STEP])})' in f.message and top[T.MODULE] == "1"
+    assert 'leaving out the weight gradients of "0", which autocast computed in fp32' in f.message
     # the advice followed: no step skipped at 2^k (a lower bound of the largest gradient would not promise this)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**k, growth_interval=1000)
     model = _ln_head()
@@ -187,8 +187,8 @@ def test_the_loss_scale_names_no_weight_gradient_of_a_module_without_weights() -
     rec, _, _ = _fp16_run(model, [torch.randn(32, 16, generator=g) for _ in range(2)])
     f = rec.finding("fp16_loss_scale")
     assert f is not None and f.numbers["autocast_fp32_left_out"] == 3
-    assert "leaving out the weight gradients of 0, 2, which autocast computed in fp32" in f.message
-    assert "and the output gradients of 0, 1, which no matmul run in fp16 reads" in f.message
+    assert 'leaving out the weight gradients of "0", "2", which autocast computed in fp32' in f.message
+    assert 'and the output gradients of "0", "1", which no matmul run in fp16 reads' in f.message
 
 
 def test_the_loss_scale_names_the_parameter_whose_gradient_is_the_largest() -> None:
@@ -204,4 +204,4 @@ def test_the_loss_scale_names_the_parameter_whose_gradient_is_the_largest() -> N
     top = grads.loc[grads[T.ABSMAX].astype(float).idxmax()]
     assert top[T.TENSOR] == T.WEIGHT_GRAD and top[T.PARAM] == "bias"
     f = rec.finding("fp16_loss_scale")
-    assert f is not None and f"(0's bias gradient, step {int(top[T.STEP])})" in f.message
+    assert f is not None and f'("0"\'s bias gradient, step {int(top[T.STEP])})' in f.message

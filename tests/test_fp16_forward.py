@@ -393,11 +393,12 @@ def test_a_norm_between_the_layers_that_cast_tiny_values_keeps_them_in_the_list(
     f = rec.finding("fp16_activation_underflow")
     assert f is not None and "1" in f.modules and rec.fp16_keep_fp32 == ["0", "3"]
     assert f.remedy.startswith(
-        f"Keep 0, 3 in fp32 (outside autocast): 0 computes its output in fp16, where {out0 * 100:.3g}% of its "
-        f"nonzero values flush; 3 casts its input (the output of 2) to fp16, flushing {in3 * 100:.3g}% of that "
+        f'Keep "0", "3" in fp32 (outside autocast): "0" computes its output in fp16, where {out0 * 100:.3g}% of '
+        f'its nonzero values flush; "3" casts its input (the output of "2") to fp16, flushing {in3 * 100:.3g}% of '
+        "that "
         "input's nonzero values"
     )
-    assert "no matmul layer reads the output of 1 directly" in f.remedy
+    assert 'no matmul layer reads the output of "1" directly' in f.remedy
     kept, outputs, inputs = _norm_between_run("fp16", ["0", "3"])
     assert all(t.dtype == torch.float32 for t in [*outputs, *inputs])
     assert kept.recommend("t4").finding("fp16_activation_underflow") is None

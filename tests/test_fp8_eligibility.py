@@ -540,7 +540,9 @@ def test_a_linear_with_a_parametrized_weight_is_not_converted_and_the_advisor_sa
     rec = _advice(model, 16, 16)
     f = rec.finding("fp8_eligibility")
     assert f is not None and f.modules == ["3"]
-    assert "Not eligible: 0, 2 (its weight is computed by a parametrization, as weight_norm's" in f.message
+    assert (
+        'Not eligible: "0", "2" (its weight is computed by a parametrization, as weight_norm\'s' in f.message
+    )
     # nor does the block-format plan give them a block format: torchao's MX training fails on them too
     planned = [lay for lay in rec.block_what_if["layers"] if lay["module_type"] == "ParametrizedLinear"]
     assert planned and all(lay["choice"] == "bf16" and "parametrization" in lay["why"] for lay in planned)
@@ -549,7 +551,7 @@ def test_a_linear_with_a_parametrized_weight_is_not_converted_and_the_advisor_sa
     assert parametrized == ["0", "2"]
     plan = rec.finding("block_format_what_if")
     assert plan is not None and plan.message.count("its weight is computed by") == 1
-    assert f"BF16 for {len(planned)}: 0, 2 (its weight is computed by a parametrization" in plan.message
+    assert f'BF16 for {len(planned)}: "0", "2" (its weight is computed by a parametrization' in plan.message
 
 
 @pytest.mark.parametrize("old_style", [False, True])
@@ -589,7 +591,7 @@ def test_the_flops_share_counts_the_layers_whose_weight_is_computed(old_style: b
     assert f is not None and f.modules == ["0", "4"] and f.numbers["unknown_shape"] == 0
     share = (flops["0"] + flops["4"]) / sum(flops.values())
     assert share < 0.06 and f.numbers["eligible_flops_share"] == pytest.approx(share)
-    assert f.message.startswith("2 of 4 qualify: 0, 4. Not eligible: ")
+    assert f.message.startswith('2 of 4 qualify: "0", "4". Not eligible: ')
     assert f". The eligible layers carry {100 * share:.3g}% of the" in f.message
     assert "unknown shape" not in f.message and "none was recorded" not in f.message
     speed = rec.finding("fp8_speed")  # the two layers left in bf16 are in the step FP8 would run
@@ -622,8 +624,9 @@ def test_a_linear_under_the_old_hook_based_weight_norm_is_not_converted_and_the_
     f = _advice(model, 16, 16).finding("fp8_eligibility")
     assert f is not None and f.modules == ["3"]
     assert (
-        "Not eligible: 0 (its weight is computed by torch.nn.utils.weight_norm's forward pre-hook, from weight_g "
-        "and weight_v: float8 conversion fails on it); 2 (its weight is computed by torch.nn.utils.spectral_norm's "
+        'Not eligible: "0" (its weight is computed by torch.nn.utils.weight_norm\'s forward pre-hook, from '
+        'weight_g and weight_v: float8 conversion fails on it); "2" (its weight is computed by '
+        "torch.nn.utils.spectral_norm's "
         "forward pre-hook, from weight_orig: float8 conversion fails on it)" in f.message
     )
     assert "shape unknown" not in f.message and "none was recorded" not in f.message
@@ -953,7 +956,7 @@ def test_a_layer_whose_input_fp8_would_flush_is_not_eligible(made_by: str, block
     assert f is not None
     layer = "1" if made_by == "a ReLU" else "0"
     assert (
-        f.modules == [] and f"{layer} (e4m3 loses up to" in f.message and "input's or weight's" in f.message
+        f.modules == [] and f'"{layer}" (e4m3 loses up to' in f.message and "input's or weight's" in f.message
     )
     lost = f.numbers["max_e4m3_lost_norm"]
     assert isinstance(lost, float) and lost_share(x) <= lost <= 4 * lost_share(x)  # a bound, within a binade
@@ -1413,10 +1416,10 @@ def test_output_gradients_under_torchaos_amax_floor_are_not_eligible() -> None:
     assert f.numbers["max_e5m2_share"] == 1.0 and f.numbers["max_e5m2_lost_norm"] == 1.0
     assert f.numbers["amax_floor_layers"] == 3
     assert (
-        "4 (e5m2 loses up to 100% of its output gradient's norm: its largest value is under 1e-12"
+        '"4" (e5m2 loses up to 100% of its output gradient\'s norm: its largest value is under 1e-12'
         in f.message
     )
-    assert "The largest value of a tensor of 3 layer(s) (0, 2, 4) was under 1e-12" in f.message
+    assert 'The largest value of a tensor of 3 layer(s) ("0", "2", "4") was under 1e-12' in f.message
     assert "fmax/max(amax, 1e-12)" in f.method
 
 

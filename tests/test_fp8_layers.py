@@ -91,9 +91,10 @@ def test_the_block_plan_says_which_layers_already_run_fp8(run: Path) -> None:
     assert said in found.message and "(torchao's MX" not in found.message
     for to in {choice[m] for m in FP8} - {"bf16"}:
         them = [m for m in FP8 if choice[m] == to]
-        assert f"moves {len(them)} from FP8 to {rb.PLAN_LABELS[to]} ({', '.join(them)})" in found.message
+        named = ", ".join(f'"{m}"' for m in them)
+        assert f"moves {len(them)} from FP8 to {rb.PLAN_LABELS[to]} ({named})" in found.message
     assert (
-        "gives 1 no block format (4: the plan's BF16 is where no block format passes its rule"
+        'gives 1 no block format ("4": the plan\'s BF16 is where no block format passes its rule'
         in found.message
     )
     assert "moves 1 from FP8 to BF16" not in found.message

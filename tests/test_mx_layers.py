@@ -138,7 +138,7 @@ def test_the_bias_the_mx_training_weight_leaves_out_is_said(run: Path) -> None:
     assert found.severity == "warning" and found.modules == ["4"]
     assert found.numbers == {"bias_dropped_layers": 1, "bias_dropped_values": 32, "bias_dropped_absmax": 5.0}
     assert (
-        "quantize_ with MXFP8TrainingOpConfig made the weights of 1 nn.Linear layer(s) (4) torchao's "
+        'quantize_ with MXFP8TrainingOpConfig made the weights of 1 nn.Linear layer(s) ("4") torchao\'s '
         f"MXFP8TrainingWeightWrapperTensor, whose {_DROPS} computes F.linear(input, weight, bias) as the matmul "
         "of input and weight alone: their biases (32 values, the largest |bias| 5) are never added"
         in found.message
@@ -224,7 +224,8 @@ def test_the_block_plan_says_which_layers_already_run_an_mx_format(run: Path) ->
             if to == "mxfp8"
             else f"moves {len(them)} from MXFP8 to {labels[to]}"
         )
-        assert f"{said} ({', '.join(them)})" in found.message
+        named = ", ".join(f'"{m}"' for m in them)
+        assert f"{said} ({named})" in found.message
     moved = sum(choice[m] != "mxfp8" for m in mx)
     assert found.numbers["running_block_format"] == 3 and found.numbers["moved_block_format"] == moved
     assert any("This run already runs MXFP8 on 3 of these layers" in r for r in rec.reasons)
@@ -291,8 +292,9 @@ def test_layers_already_in_mx_are_no_fp8_candidates(run: Path) -> None:
     assert found.title == "1 of 1 linear layers are FP8-eligible; 3 more train in MXFP8"
     assert found.modules == ["6"] and found.numbers["checked"] == 1 and found.numbers["block_running"] == 3
     assert found.numbers["eligible_flops_share"] == 1.0
-    assert "; 3 more linear layers (0, 2, 4) already train in MXFP8 (torchao's MX training), not judged" in (
-        found.message
+    assert (
+        '; 3 more linear layers ("0", "2", "4") already train in MXFP8 (torchao\'s MX training), not judged'
+        in (found.message)
     )
     # a run whose every linear layer trains in MX: none is left for FP8, and the verdict says why, not that no
     # linear layer was recorded

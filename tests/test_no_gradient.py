@@ -400,8 +400,8 @@ def test_a_torchao_fp8_run_whose_casts_flushed_every_gradient_says_no_gradient_r
     assert f.title == "No gradient reached the weights of 3 of 3 layers: FP8 flushed it"
     assert f.numbers["fp8_flushed_layers"] == 3 and f.numbers["sampled_steps_with_grads"] == 2
     assert f.numbers["fp8_output_gradient_max"] == pytest.approx(largest, rel=1e-2)  # recorded in bf16
-    assert "FP8 flushed them: the output gradient of 4 (torchao Float8Linear) never exceeded" in f.message
-    assert "the gradient it passed back was zero too, which left 0, 2 without one" in f.message
+    assert 'FP8 flushed them: the output gradient of "4" (torchao Float8Linear) never exceeded' in f.message
+    assert 'the gradient it passed back was zero too, which left "0", "2" without one' in f.message
     assert "leave them out of convert_to_float8_training" in f.remedy
 
 
@@ -438,7 +438,7 @@ def test_a_run_whose_weights_quantize_made_fp8_reads_as_fp8_with_its_layers() ->
     f = rec.finding("no_gradient")
     assert f is not None and f.modules == ["0", "2", "4"] and f.numbers["fp8_flushed_layers"] == 3
     assert (
-        "FP8 flushed them: the output gradient of 4 (nn.Linear with torchao's FP8 training weight (quantize_)) "
+        'FP8 flushed them: the output gradient of "4" (nn.Linear with torchao\'s FP8 training weight (quantize_)) '
         "never exceeded" in f.message
     )
     assert "the FP8 E4M3 cast of its backward" in f.message
@@ -449,7 +449,8 @@ def test_a_run_whose_weights_quantize_made_fp8_reads_as_fp8_with_its_layers() ->
     assert "leave them out of quantize_ with filter_fn" in f.remedy
     eligibility = rec.finding("fp8_eligibility")
     assert (
-        eligibility is not None and "3 layer(s) (0, 2, 4) ran torchao's rowwise recipe" in eligibility.message
+        eligibility is not None
+        and '3 layer(s) ("0", "2", "4") ran torchao\'s rowwise recipe' in eligibility.message
     )
     # without autocast (the loop's own: it asks nothing of the activations) the run read as fp32; its FP8 GEMMs ran
     prof, _ = _train(_fp8_mlp(convert=False, quantize=True)[0], dims=(32, 16), steps=1, autocast=False)

@@ -801,7 +801,8 @@ def test_g_lost_updates_leave_out_a_skipped_layers_momentum_updates() -> None:
     table = {r["module"]: r["lost_update_bf16"] for r in S.layer_records(pure.tables["layers"])}
     for m in ("0", "2", "4"):
         assert table[m] == pytest.approx(by.loc[m, "stuck"] / by.loc[m, "intended"])
-        assert f"{m} {100 * table[m]:.3g}%" in lost.message  # the worst, as the table has them
+        # the worst, as the table has them, each name a name: '"0" 12.5%' (h104 read "worst: 16 90.2%, 58 90.2%")
+        assert f'"{m}" {100 * table[m]:.3g}%' in lost.message
     tl = timeline.timeline(pure.tables["layers"])
     assert tl is not None and tl.update_format == "bf16"
     per_step = trained.groupby(T.STEP)[["stuck", "intended"]].sum()
@@ -830,8 +831,8 @@ def test_g_a_pure_bf16_runs_lost_updates_leave_out_a_layer_kept_in_fp32() -> Non
         in_fp32["intended"].sum(),
         in_fp32["whatif_bf16"].sum(),
     )
-    assert lost.modules == ["0", "2"] and "worst: 0 " in lost.message and ", 4 " not in lost.message
-    assert "module(s) whose weights are held in float32 (4)" in lost.message
+    assert lost.modules == ["0", "2"] and 'worst: "0" ' in lost.message and '"4" ' not in lost.message
+    assert 'module(s) whose weights are held in float32 ("4")' in lost.message
     # the per-layer table's cell of the fp32 layer is its bf16 what-if: greyed and said so, not a loss in red
     page = render_html(pure.tables, pure.summary)
     cells = re.findall(r'<td data-v="[^"]+" class="([^"]*)"( title="[^"]*")?>([^<]*%[^<]*)</td>', page)
@@ -960,8 +961,8 @@ def test_g_a_bf16_layer_that_joins_the_optimizer_mid_run_is_no_switch_to_bf16() 
         in_fp32["intended"].sum(),
         in_fp32["whatif_bf16"].sum() + in_fp32["stuck"].sum(),
     )
-    assert "this run holds these weights in bf16 (2)" in lost.message
-    assert lost.remedy.startswith("Hold 2 in fp32 too")
+    assert 'this run holds these weights in bf16 ("2")' in lost.message
+    assert lost.remedy.startswith('Hold "2" in fp32 too')
 
 
 def test_g_a_bf16_verdict_beside_a_few_bf16_weights_that_lose_their_updates_names_fp32_master_weights() -> (
@@ -976,7 +977,8 @@ def test_g_a_bf16_verdict_beside_a_few_bf16_weights_that_lose_their_updates_name
     share = held["stuck"].sum() / held["intended"].sum()
     assert set(held[T.MODULE]) == {"2"} and share > 0.5
     said = (
-        f"bf16 for compute, fp32 for the master weights: this run holds 2 in bf16, where {100 * share:.3g}% of its "
+        f'bf16 for compute, fp32 for the master weights: this run holds "2" in bf16, where {100 * share:.3g}% of its '
+        ""
         "updates vanish (bf16_lost_updates); hold it in fp32 too (.float() before the optimizer is made)"
     )
     for cfg in (None, AdvisorConfig()):  # the tree's bf16, and the small model's fp32 that allows bf16

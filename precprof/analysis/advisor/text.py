@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 from precprof import tables as T
 
@@ -56,9 +57,24 @@ def _scales(scales: list[float], limit: int = 6) -> str:
     return f"{len(scales)} loss scales from {scales[0]:g} to {scales[-1]:g}"
 
 
-_name = T.module_label  # the root module, named "", as every table and list names it
+# a module name of numbers alone: an nn.Sequential's children ("16"), theirs ("3.1")
+_NUMBERS = re.compile(r"[\d.]+")
+
+
+def _name(module: str) -> str:
+    """A module's name as a sentence writes it: the root module (named "") as every table and list names it, and
+    a name of numbers alone in quotes, a name and not a number ('worst: 16 90.2%, 58 90.2%' read as counts
+    beside shares in an nn.Sequential's findings); every other name as it is."""
+    label = T.module_label(module)
+    return f'"{label}"' if _NUMBERS.fullmatch(label) else label
 
 
 def _listing(modules: list[str], limit: int) -> str:
-    shown = ", ".join(_name(m) for m in modules[:limit])
-    return shown + (f" and {len(modules) - limit} more" if len(modules) > limit else "")
+    """Modules named as a sentence names them (``_name``), at most ``limit``, and how many more."""
+    return _listed([_name(m) for m in modules], limit)
+
+
+def _listed(items: list[str], limit: int) -> str:
+    """``items`` (steps, words) as they are, at most ``limit``, and how many more."""
+    shown = ", ".join(items[:limit])
+    return shown + (f" and {len(items) - limit} more" if len(items) > limit else "")

@@ -349,7 +349,7 @@ def _head_said(run: _Run, table: list[LayerBlocks]) -> str:
     if found is None or found[1] == "" or any(lb.module == found[0] for lb in table):
         return ""
     owner, param = found
-    what = f"{_name(owner)}.{param}" if owner else param
+    what = f"{owner}.{param}" if owner else param  # (a dotted name reads as one: "0.weight")
     if "Embedding" in run.types.get(owner, ""):
         return (
             f" The output head is a matmul of the model's forward on the weight of the embedding "

@@ -51,7 +51,7 @@ from precprof.analysis.advisor.rules.kept_gradients import (
 from precprof.analysis.advisor.rules.nonfinite import _first_origin
 from precprof.analysis.advisor.rules.scaler import _rule_scaler
 from precprof.analysis.advisor.rules.updates import bf16_gradient_underflow
-from precprof.analysis.advisor.text import _g, _listing, _log2i, _name, _pct, _pow2, _scale, _scales
+from precprof.analysis.advisor.text import _g, _listed, _listing, _log2i, _name, _pct, _pow2, _scale, _scales
 from precprof.formats import FP16, FP32_MAX_EXPONENT
 
 
@@ -779,8 +779,8 @@ def _whose(run: _Run, gmax: float) -> str:
         whose = f"{name}'s output gradient"
     elif param in ("", "weight", "bias"):
         whose = f"{name}'s {param or 'weight'} gradient"
-    else:  # a parameter of another name (MultiheadAttention's in_proj_weight)
-        whose = f"{name}.{param}'s gradient"
+    else:  # a parameter of another name (MultiheadAttention's in_proj_weight), its dotted name as it is
+        whose = f"{T.module_label(str(row[T.MODULE]))}.{param}'s gradient"
     return f" ({whose}, step {int(row[T.STEP])})"
 
 
@@ -1682,7 +1682,7 @@ def _rule_fp16_gradient_overflow(run: _Run, plan: _Plan, kept: KeptGradients) ->
             f"Gradients overflow fp16 at the scale in effect in {len(mods)} module(s)"
             if real
             else f"Gradients would overflow fp16 at this run's loss scale in {len(mods)} module(s)",
-            f"On {len(steps)} sampled step(s) ({_listing([str(s) for s in steps], 6)}), {n:,} gradient values in "
+            f"On {len(steps)} sampled step(s) ({_listed([str(s) for s in steps], 6)}), {n:,} gradient values in "
             f"{_listing(mods, run.cfg.max_listed_modules)} "
             f"{'overflow' if real else 'would overflow'} fp16 at {_scales(scales)}; {what}",
             (
@@ -1717,7 +1717,7 @@ def _bound_from(run: _Run, plan: _Plan, steps: list[int]) -> str:
     sampled = int(run.kind(*T.GRADIENT_KINDS)[T.STEP].nunique())
     return (
         f"this rests on the {len(steps)} of {sampled} sampled step(s) that overflowed "
-        f"({_listing([str(s) for s in steps], 6)}), where the largest gradient was measured only as a lower "
+        f"({_listed([str(s) for s in steps], 6)}), where the largest gradient was measured only as a lower "
         f"bound; the {sampled - len(steps)} others' largest gradient was {plan.grad_absmax_clean:.3g}"
     )
 

@@ -17,7 +17,7 @@ from precprof.analysis.advisor.evidence import (
     _steps_without_update,
 )
 from precprof.analysis.advisor.model import CRITICAL, INFO, WARNING, Finding
-from precprof.analysis.advisor.text import _listing, _name, _pct
+from precprof.analysis.advisor.text import _listed, _listing, _name, _pct
 from precprof.formats import BF16
 
 
@@ -623,7 +623,7 @@ def _rule_steps_without_update(run: _Run, plan: _Plan) -> None:
             "steps_without_update",
             WARNING,
             "prof.step() is called more often than the optimizer steps",
-            f"On {len(idle)} of {len(told)} sampled steps with weight gradients ({_listing([str(s) for s in idle], 6)})"
+            f"On {len(idle)} of {len(told)} sampled steps with weight gradients ({_listed([str(s) for s in idle], 6)})"
             " the optimizer did not step, and the loss scaler skipped none of them. precprof's step is the "
             "optimizer's: called once per micro-batch (gradient accumulation), each of its steps is a "
             "micro-batch, the weight gradients of those steps are partial sums, and the step counts, the loss "
