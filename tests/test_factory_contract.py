@@ -87,6 +87,14 @@ def unusual(vocab_size, kind):
 """
 
 
+def _train_argv(tmp_path: Path, factory: str, arg: str, *more: str) -> tuple[Path, list[str]]:
+    """``precprof train`` of ``MODELS``' ``factory`` with its argument ``arg`` (``-a``), into ``tmp_path/run``: the
+    run directory and the command line (``more`` after it)."""
+    (tmp_path / "m.py").write_text(MODELS)
+    out = tmp_path / "run"
+    return out, ["train", "-m", f"{tmp_path / 'm.py'}:{factory}", "-a", arg, "--out", str(out), *more]
+
+
 def run_main(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
     with pytest.raises(SystemExit) as e:
         cli.main(argv)
@@ -110,19 +118,7 @@ def test_an_output_training_cannot_use_is_refused_before_training(
     """Before: exit 1 at step 0's backward, torch's 'element 0 of tensors does not require grad', and a run
     directory of a run that never took a step; a dict without logits named none of its keys nor where the loop
     looks in it."""
-    (tmp_path / "m.py").write_text(MODELS)
-    out = tmp_path / "run"
-    argv = [
-        "train",
-        "-m",
-        f"{tmp_path / 'm.py'}:make",
-        "-a",
-        f"mode={mode}",
-        "--out",
-        str(out),
-        "--steps",
-        "2",
-    ]
+    out, argv = _train_argv(tmp_path, "make", f"mode={mode}", "--steps", "2")
     rc, err = run_main([*argv, *TINY], capsys)
     lines = err.strip().splitlines()
     assert rc == 2 and len(lines) == 1 and lines[0].startswith("precprof: error: "), err
@@ -143,19 +139,7 @@ def test_an_output_that_breaks_the_contract_in_training_says_where_the_partial_r
     before it): the one line of what is wrong, then where the partial run is, as for any crash, exit 2. Detached
     logits were torch's error at the backward pass (exit 1); a dict met in training said its line alone, nothing
     of the run saved."""
-    (tmp_path / "m.py").write_text(MODELS)
-    out = tmp_path / "run"
-    argv = [
-        "train",
-        "-m",
-        f"{tmp_path / 'm.py'}:make",
-        "-a",
-        f"mode={mode}",
-        "-a",
-        "after=3",
-        "--out",
-        str(out),
-    ]
+    out, argv = _train_argv(tmp_path, "make", f"mode={mode}", "-a", "after=3")
     rc, err = run_main([*argv, "--steps", "3", "--no-report", *TINY], capsys)
     lines = err.strip().splitlines()
     summary = json.loads((out / T.SUMMARY_FILE).read_text())
@@ -198,19 +182,7 @@ def test_parameters_the_optimizer_or_precision_cannot_train_are_refused_before_t
     of torch's dispatcher list, "a bug: please report it"), and AdamW or SGD's weight decay would have refused
     the sparse gradient next; a complex parameter under fp16's GradScaler died after step 0 the same way
     (torch's unscale has no complex kernel), and bf16-pure dropped its imaginary part without a word."""
-    (tmp_path / "m.py").write_text(MODELS)
-    out = tmp_path / "run"
-    argv = [
-        "train",
-        "-m",
-        f"{tmp_path / 'm.py'}:unusual",
-        "-a",
-        f"kind={kind}",
-        "--out",
-        str(out),
-        "--steps",
-        "2",
-    ]
+    out, argv = _train_argv(tmp_path, "unusual", f"kind={kind}", "--steps", "2")
     rc, err = run_main([*argv, *args, *TINY], capsys)
     lines = err.strip().splitlines()
     assert rc == 2 and len(lines) == 1 and lines[0].startswith("precprof: error: "), err
@@ -259,9 +231,7 @@ def test_a_sparse_gradient_no_layer_announced_is_refused_at_step_0(
 ) -> None:
     """F.embedding(..., sparse=True) on a dense layer's weight: nothing says so before training; step 0's
     gradients do, before AdamW meets them (its RuntimeError was "a bug in precprof's own code")."""
-    (tmp_path / "m.py").write_text(MODELS)
-    out = tmp_path / "run"
-    argv = ["train", "-m", f"{tmp_path / 'm.py'}:unusual", "-a", "kind=functional", "--out", str(out)]
+    out, argv = _train_argv(tmp_path, "unusual", "kind=functional")
     rc, err = run_main([*argv, "--steps", "2", "--no-report", *TINY], capsys)
     lines = err.strip().splitlines()
     assert rc == 2 and len(lines) == 3, err
