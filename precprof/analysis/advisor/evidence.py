@@ -706,6 +706,14 @@ def _static_scale(steps: pd.DataFrame) -> bool:
     return bool(np.array_equal(scale[1:][skipped], scale[:-1][skipped]))
 
 
+def _updated_steps(run: _Run) -> set[int]:
+    """The sampled steps whose optimizer step was read (``weight_update`` rows)."""
+    layers = run.layers
+    if layers.empty:
+        return set()
+    return set(layers.loc[layers[T.TENSOR] == T.WEIGHT_UPDATE, T.STEP].astype(int))
+
+
 def _steps_without_update(run: _Run) -> tuple[list[int], list[int]]:
     """The sampled steps with weight gradients whose optimizer did not step, and every sampled step with weight
     gradients that could tell, in step order: only in a run whose optimizer steps were seen (``weight_update``
@@ -715,7 +723,7 @@ def _steps_without_update(run: _Run) -> tuple[list[int], list[int]]:
     layers = run.layers
     if layers.empty:
         return [], []
-    updated = set(layers.loc[layers[T.TENSOR] == T.WEIGHT_UPDATE, T.STEP].astype(int))
+    updated = _updated_steps(run)
     if not updated:
         return [], []  # no optimizer given, or its updates not sampled: nothing tells
     with_grads = set(layers.loc[layers[T.TENSOR] == T.WEIGHT_GRAD, T.STEP].astype(int))

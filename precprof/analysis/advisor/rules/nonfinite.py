@@ -24,6 +24,7 @@ from precprof.analysis.advisor.evidence import (
     _Plan,
     _Run,
     _steps_without_update,
+    _updated_steps,
 )
 from precprof.analysis.advisor.model import CRITICAL, WARNING, Finding, Number
 from precprof.analysis.advisor.text import _g, _listing, _log2i, _name, _pct, _pow2
@@ -426,9 +427,7 @@ def _optimizer_before_forward(run: _Run, step: int) -> bool:
         return step in at
     if not isinstance(first, int) or not isinstance(n, int) or step < first:
         return False
-    layers = run.layers
-    updated = set(layers.loc[layers[T.TENSOR] == T.WEIGHT_UPDATE, T.STEP].astype(int))
-    return n >= len({s for s in updated if s >= first})
+    return n >= len({s for s in _updated_steps(run) if s >= first})
 
 
 def _next_optimizer_step(run: _Run, idle: set[int], step: int) -> int | None:
@@ -440,8 +439,7 @@ def _next_optimizer_step(run: _Run, idle: set[int], step: int) -> int | None:
     if steps.empty:
         return None
     skipped = set(steps.loc[T.flags(steps[T.SKIPPED]), T.STEP].astype(int))
-    layers = run.layers
-    updated = set(layers.loc[layers[T.TENSOR] == T.WEIGHT_UPDATE, T.STEP].astype(int))
+    updated = _updated_steps(run)
     later = sorted(int(s) for s in steps[T.STEP] if int(s) >= step and int(s) not in idle)
     return later[0] if later and (later[0] in skipped or later[0] in updated) else None
 
