@@ -478,9 +478,8 @@ class StepHooks(TrainingForward, GradientReads, GemmInputs, StepAttempts, Output
                         add_grad_hook(t, hook_id, grad_hook)
                     continue
                 if not self._add(t if type(t) is _Tensor else _local(t), act):
-                    if (
-                        t.requires_grad
-                    ):  # skipped (a torch.func transform's): its gradient is counted skipped too
+                    # skipped (a torch.func transform's wrapper): its gradient is counted skipped too
+                    if t.requires_grad:
                         _grad_hook_if_allowed(t, hook_id, grad_hook)
                     continue
                 any_tensor = True
