@@ -53,6 +53,9 @@ _RUNTIME_ENV = {
     "WANDB_MODE",
     "WANDB_DIR",
     "TORCHINDUCTOR_CACHE_DIR",  # (set in this process by its first torch.compile; read when compiling)
+    # set in this process by inductor before it loads each compiled library, read by the library as it loads
+    "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR",
+    "PYTORCH_NVML_BASED_CUDA_CHECK",  # (set by lightning's import; read by torch.cuda.is_available())
 }
 _MAX_MESSAGE = 1 << 20
 # a file to say why a command was not forked (a check of this module)
