@@ -42,6 +42,7 @@ from precprof.report.plots import (
     spans_decades,
     step_label,
     step_locator,
+    unhinted_text,
 )
 from precprof.report.render import environment
 
@@ -475,6 +476,11 @@ def render(comparison: Comparison, base_dir: Path | None = None) -> str:
         runs.append(d)
     cfg = comparison.config
     title = f"{cfg.get('model', 'model')} · {', '.join(r.label for r in comparison.runs)}"
+    with unhinted_text():
+        loss_img = _img(
+            loss_figure(comparison), "loss curves of every run overlaid, and relative to the reference"
+        )
+        resources_img = _img(resources_figure(comparison), _resources_alt(comparison))
     ctx = {
         "version": __version__,
         "title": title,
@@ -498,11 +504,9 @@ def render(comparison: Comparison, base_dir: Path | None = None) -> str:
         "peak_components": peaks,
         # a step a loss scaler skipped is left out of the relative plot's scale (``_draw_relative``)
         "skipped_off_scale": any(r.skipped_at for r in comparison.runs),
-        "loss_img": _img(
-            loss_figure(comparison), "loss curves of every run overlaid, and relative to the reference"
-        ),
+        "loss_img": loss_img,
         "resources_title": resources_title(comparison),
-        "resources_img": _img(resources_figure(comparison), _resources_alt(comparison)),
+        "resources_img": resources_img,
         # the runs the throughput panel draws no bar for, and why
         "speed_apart": speed_apart(comparison),
         # a bar with a speed-up over the reference (none where the reference's step times were uneven)

@@ -20,7 +20,7 @@ import pandas as pd
 from precprof import _atomic, formats
 from precprof import tables as T
 from precprof.errors import UserError
-from precprof.report import filters, numbers
+from precprof.report import filters, numbers, plots
 from precprof.report.context import build_context
 
 TEMPLATE = "report.html.j2"
@@ -104,7 +104,8 @@ def render_html(
     ``live``: the run is still being written (``rundir.live_note``): the page says so, and neither that it was
     cut off nor that it is incomplete."""
     totals = stream.histogram_totals if stream is not None else None
-    ctx = build_context(tables, summary, recommendation, histogram_totals=totals)
+    with plots.unhinted_text():
+        ctx = build_context(tables, summary, recommendation, histogram_totals=totals)
     ctx["advisor_error"] = advisor_error
     ctx["missing_tables"] = [T.TABLE_FILES.get(t, t) for t in missing_tables or []]
     ctx["missing_summary"] = missing_summary

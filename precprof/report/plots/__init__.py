@@ -28,6 +28,7 @@ from precprof.report.plots.common import (
     step_label,
     step_locator,
     svg_bytes,
+    unhinted_text,
 )
 from precprof.report.plots.heatmap import LOST_COLORS, Heatmap, share_norm, signature_heatmap
 from precprof.report.plots.memory import COMPONENT_COLORS, memory_figure
@@ -65,4 +66,5 @@ __all__ = [
     "step_locator",
     "svg_bytes",
     "training_figure",
+    "unhinted_text",
 ]
