@@ -732,6 +732,31 @@ def test_a_deep_model_that_loses_nothing_shows_rows_from_end_to_end_and_marks_th
     )
 
 
+def test_where_most_drawn_rows_follow_rows_left_out_no_line_stripes_the_figure() -> None:
+    """A 480-layer model losing nothing: of its 90 rows drawn, 88 follow rows left out, and a dashed line above
+    each striped the heatmap and its side panel from top to bottom, marking what the row names say. None is
+    drawn nor in the legend, and the caption says the rows between are not marked; with few places (the test
+    above) the lines stay."""
+    layers = [LayerSpec("emb", "Embedding", {"weight": 64})]
+    layers += [LayerSpec(f"layers.{i}", "Linear", {"weight": 16}) for i in range(480)]
+    layers += [LayerSpec("head", "Linear", {"weight": 64})]
+    tabs, _ = synthetic_run("bf16", layers=layers, steps=1, sample_every=1)
+    table, kind = tabs["layers"], T.ACTIVATION
+    hm = plots.signature_heatmap(T.sum_histogram_frame(tabs["histograms"]), table, kind)
+    assert hm is not None and (hm.rows_shown, hm.rows_total) == (90, 482)
+    rows = S.row_order(table, kind)
+    where = [rows.index(r) for r in hm.rows]
+    assert sum(where[j] - where[j - 1] > 1 for j in range(1, 90)) > 45
+    for ax in hm.figure.axes[1:3]:
+        assert not [
+            c
+            for c in ax.collections
+            if isinstance(c, LineCollection) and same_color(c.get_colors()[0], plots.heatmap.GAP_COLOR)
+        ]
+    assert "rows left out" not in [t.get_text() for t in hm.figure.axes[4].get_legend().get_texts()]
+    assert "Rows are left out between most of those drawn (not marked); every row is in" in hm.rows_note()
+
+
 def test_a_deep_model_whose_losses_start_midway_shows_where_and_counts_every_row() -> None:
     """200 blocks whose outputs overflow FP16 from block 48 on, all of every even block's and half of every odd
     one's: the heatmap showed 88 of the 100%-rows only, from block 61, and its caption read "88 of the other

@@ -117,6 +117,11 @@ class RowSelection:
         """The drawn rows (0-based, top to bottom) that follow rows left out: a mark goes above each."""
         return [j for j in range(1, len(self.index)) if self.index[j] - self.index[j - 1] > 1]
 
+    def gaps_dense(self) -> bool:
+        """Whether most drawn rows follow rows left out (90 rows of a 480-layer model): a line between almost
+        every two rows striped the whole figure, and marked nothing the row names do not say; none is drawn."""
+        return len(self.gaps()) > (len(self.index) - 1) / 2
+
 
 def _spread_layers(rows: list[tuple[str, str]], tied: list[int], left: int) -> list[int]:
     """``left`` of the ``tied`` rows, taken evenly over forward order by whole layers (a layer's weight and bias,
@@ -257,7 +262,12 @@ class Heatmap:
             name = S.row_label(*self.rows[sel.index.index(sel.onset)])
             before = " with the row before it" if sel.onset - 1 in sel.index else ""
             text += f" The first row that loses anything in {fmt}, {name}, is drawn{before}."
-        return f"{text} A dashed grey line marks where rows are left out; every row is in the tables below."
+        mark = (
+            "Rows are left out between most of those drawn (not marked)"
+            if sel.gaps_dense()
+            else "A dashed grey line marks where rows are left out"
+        )
+        return f"{text} {mark}; every row is in the tables below."
 
 
 def _lose(k: int) -> str:
@@ -296,14 +306,20 @@ ALL_ZERO = "all zero"  # the mark on a row whose every value was zero: blank, it
 X_LABEL = "log2 |value|, unscaled (column k: [2^k, 2^(k+1)))"
 
 
-def _mark_gaps(axes: tuple[Any, ...], gaps: list[int]) -> None:
-    """A dashed line across each of ``axes`` above each drawn row that follows rows left out."""
-    if not gaps:
-        return
-    for a in axes:
-        a.hlines(
-            gaps, 0, 1, transform=a.get_yaxis_transform(), colors=GAP_COLOR, linestyles=(0, (3, 2)), lw=0.9
-        )
+def _mark_gaps(axes: tuple[Any, ...], sel: RowSelection) -> None:
+    """A dashed line across each of ``axes`` above each drawn row that follows rows left out, unless that is most
+    of them (``RowSelection.gaps_dense``)."""
+    if sel.gaps() and not sel.gaps_dense():
+        for a in axes:
+            a.hlines(
+                sel.gaps(),
+                0,
+                1,
+                transform=a.get_yaxis_transform(),
+                colors=GAP_COLOR,
+                linestyles=(0, (3, 2)),
+                lw=0.9,
+            )
 
 
 def _fit_title(fig: Figure, ax_strip: Any, title: Text, head: str, under: str) -> bool:
@@ -458,7 +474,7 @@ def signature_heatmap(
     )
     ax.set_xlim(x0, x1)
     ax.set_ylim(n, 0)
-    _mark_gaps((ax, ax_lost), sel.gaps())
+    _mark_gaps((ax, ax_lost), sel)
     zero = S.all_zero_rows(layers, kind)
     zero_rows = [i for i, r in enumerate(rows) if r in zero and tot[i, 0] == 0]
     for i in zero_rows:
@@ -577,7 +593,7 @@ def signature_heatmap(
     ax_leg.axis("off")
     kinds = ("underflow", "inf/nan (recorded)") if focus == "fp8" else tuple(LOST_COLORS)
     handles: list[Artist] = [Patch(color=LOST_COLORS[k], alpha=0.85, label=k) for k in kinds]
-    if sel.gaps():
+    if sel.gaps() and not sel.gaps_dense():
         handles.append(Line2D([], [], color=GAP_COLOR, ls=(0, (3, 2)), lw=0.9, label="rows left out"))
     ax_leg.legend(
         handles=handles,
