@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
 import json
 import locale
 import os
@@ -114,6 +115,10 @@ def _serve(sock: socket.socket) -> dict[str, Any]:
     for name in _PRELOAD:  # what every command and report imports next, where it starts no thread
         with contextlib.suppress(ImportError):
             __import__(name)
+    # the imports' objects (some 300,000) out of the collector's reach in every child, as in the tests' own
+    # process (conftest.py): each full collection read them all again, a fifth of a report's time
+    gc.collect()
+    gc.freeze()
     # woken by a child's end (SIGCHLD, through the wakeup pipe) or a request, never polling
     woken, wake = os.pipe()
     os.set_blocking(wake, False)
