@@ -286,10 +286,39 @@ def run_cut(scenario: str, rank: int, out: Path) -> None:
         prof._owned_run.release()  # as a killed job leaves it: its lock gone with it
 
 
+def torchrun_env(rank: int, port: int) -> dict[str, str]:
+    """The variables torchrun gives rank ``rank`` of a one-node world of WORLD (``--standalone``), but that rank 0
+    holds the group's store (no launcher holds it for the ranks)."""
+    return {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "GROUP_RANK": "0",
+        "ROLE_RANK": str(rank),
+        "ROLE_NAME": "default",
+        "WORLD_SIZE": str(WORLD),
+        "LOCAL_WORLD_SIZE": str(WORLD),
+        "GROUP_WORLD_SIZE": "1",
+        "ROLE_WORLD_SIZE": str(WORLD),
+        "MASTER_ADDR": "localhost",
+        "MASTER_PORT": str(port),
+        "OMP_NUM_THREADS": "1",
+        "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCHELASTIC_MAX_RESTARTS": "0",
+        "TORCHELASTIC_RUN_ID": f"precprof-tests-{port}",
+        "TORCHELASTIC_USE_AGENT_STORE": "False",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+    }
+
+
 def main(argv: list[str]) -> None:
-    """Run under torchrun: ``python -m torch.distributed.run --standalone --nproc_per_node 2 dist_worker.py OUT``."""
+    """Run under torchrun: ``python -m torch.distributed.run --standalone --nproc_per_node 2 dist_worker.py OUT``;
+    or as each rank on its own, ``dist_worker.py OUT SCENARIOS RANK PORT`` (the test's fixture starts the ranks
+    as forks of its preloaded Python, tests/forks.py: torchrun's launcher and two fresh interpreters cost some
+    10 s of CPU in importing torch), which sets torchrun's variables for its rank (``torchrun_env``) first."""
     from precprof.training.distributed import init_from_env, shutdown
 
+    if len(argv) == 4:
+        os.environ.update(torchrun_env(int(argv[2]), int(argv[3])))
     out = Path(argv[0]).resolve()
     scenarios = (
         argv[1].split(",") if len(argv) > 1 else ["ddp", "fsdp2", "fsdp2-bf16", "train-ddp", "train-fsdp2"]

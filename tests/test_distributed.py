@@ -19,14 +19,18 @@ import copy
 import html
 import json
 import math
+import os
 import re
+import socket
 import subprocess
 import sys
+import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 import dist_worker as W
+import forks
 import pandas as pd
 import pytest
 import torch
@@ -51,31 +55,45 @@ Key = tuple[int, str, str, str]  # step, module, tensor, param
 # ------------------------------------------------------------------------------------------ the runs
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every scenario, in one two-process world. Each rank is a fork of the preloaded Python (tests/forks.py) with
+    the variables torchrun would give it (``dist_worker.torchrun_env``), started here: ``torchrun`` itself (a
+    launcher importing torch) and two fresh interpreters cost 10 s of CPU more, for nothing the tests read."""
     out = tmp_path_factory.mktemp("dist")
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={W.WORLD}",
-            str(HERE / "dist_worker.py"),
-            str(out),
-            ",".join(
-                SCENARIOS
-                + TRAIN_SCENARIOS
-                + OTHER_SCENARIOS
-                + CUT_SCENARIOS
-                + CLAIM_SCENARIOS
-                + FAIL_SCENARIOS
-            ),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=400,
+    scenarios = ",".join(
+        SCENARIOS + TRAIN_SCENARIOS + OTHER_SCENARIOS + CUT_SCENARIOS + CLAIM_SCENARIOS + FAIL_SCENARIOS
     )
-    if proc.returncode != 0:
-        raise AssertionError(f"dist_worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    with socket.socket() as s:  # a free port for rank 0's store (as --standalone picks one)
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # (torchrun runs its ranks with python -u)
+    logs = [(out.parent / f"rank{rank}.log").open("w+") for rank in range(W.WORLD)]
+    ranks = [
+        forks.popen(
+            [sys.executable, str(HERE / "dist_worker.py"), str(out), scenarios, str(rank), str(port)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+        for rank, log in zip(range(W.WORLD), logs, strict=True)
+    ]
+    deadline = time.monotonic() + 400
+    # a rank that failed leaves the other waiting in a collective: it is ended then, as torchrun ends it
+    while any(p.poll() is None for p in ranks) and time.monotonic() < deadline:
+        if any(p.poll() not in (None, 0) for p in ranks):
+            time.sleep(5)  # (its peer's error, where it has one to write)
+            break
+        time.sleep(0.1)
+    for p in ranks:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    said = []
+    for rank, (p, log) in enumerate(zip(ranks, logs, strict=True)):
+        log.seek(0)
+        said.append(f"rank {rank} (exit code {p.returncode}):\n{log.read()[-4000:]}")
+        log.close()
+    if any(p.returncode != 0 for p in ranks):
+        raise AssertionError("dist_worker failed:\n" + "\n".join(said))
     return out
 
 
