@@ -247,7 +247,7 @@ def test_two_processes_on_the_same_out(tmp_path: Path) -> None:
     """Both start at once: one trains and writes, the other is refused with one line; the directory holds
     one run, never files of both."""
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "precprof", "train", "--out", str(out), *TINY, "--steps", "20"]
+    cmd = [sys.executable, "-m", "precprof", "train", "--out", str(out), *TINY, "--steps", "8"]
     cmd += ["--no-report"]  # (the page is not read here)
     env = {**ENV, "OMP_NUM_THREADS": "1"}  # one intra-op thread, as the run alone below
     procs = [
@@ -263,7 +263,7 @@ def test_two_processes_on_the_same_out(tmp_path: Path) -> None:
     assert "another precprof process" in loser or "already holds a precprof run" in loser
     summary = T.read_summary(out)
     steps = T.read_tables(out)["steps"]
-    assert summary[T.SUMMARY_STATUS] == T.STATUS_COMPLETE and len(steps) == 20
+    assert summary[T.SUMMARY_STATUS] == T.STATUS_COMPLETE and len(steps) == 8
     assert not (out / rundir.LOCK_FILE).exists()  # a finished run leaves no lock file
     # the steps table and the summary come from the same run
     assert summary[T.SUMMARY_FINAL]["final_loss"] == pytest.approx(float(steps[T.LOSS].iloc[-1]))
@@ -274,7 +274,7 @@ def test_two_processes_on_the_same_out(tmp_path: Path) -> None:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        alone = train(tiny_config(tmp_path / "alone", steps=20, seed=winner_seed, report=False))
+        alone = train(tiny_config(tmp_path / "alone", steps=8, seed=winner_seed, report=False))
     finally:
         torch.set_num_threads(threads)
     assert steps[T.LOSS].tolist() == alone.steps[T.LOSS].tolist()
@@ -952,8 +952,9 @@ def test_a_released_lock_is_never_held_by_two(tmp_path: Path, monkeypatch: pytes
 def test_a_second_ctrl_c_still_leaves_a_consistent_directory(tmp_path: Path) -> None:
     out = tmp_path / "run"
     proc = start_training(out, "--steps", "100000", "--sample-every", "1")
-    wait_for(lambda: training_started(out), proc)
-    time.sleep(1.5)
+    # a step recorded (each sampled step streams a steps part), as in test_a_signal_saves_the_run: the training
+    # is in its loop (a fixed 1.5 s wait trained some 1.5 s of steps more, for nothing)
+    wait_for(lambda: any(out.glob("stream/*/*.steps.parquet")), proc)
     proc.send_signal(signal.SIGINT)
     for _ in range(5):  # an impatient user
         time.sleep(0.05)
@@ -996,7 +997,10 @@ def test_sigkill_leaves_a_directory_that_says_it_is_incomplete(tmp_path: Path) -
 
 def test_compare_interrupted_compares_the_runs_that_finished(tmp_path: Path) -> None:
     out = tmp_path / "cmp"
-    proc = start_training(out, "--precisions", "fp32,bf16", "--steps", "100000", command="compare")
+    # (no page is read here: the interrupted fp32 run's report is not rendered, 1.3 s of CPU)
+    proc = start_training(
+        out, "--precisions", "fp32,bf16", "--steps", "100000", "--no-report", command="compare"
+    )
     # the reference (fp32) trains first: stop compare while it trains
     wait_for(lambda: training_started(out / "fp32"), proc)
     time.sleep(1.0)
