@@ -11,6 +11,7 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
+import forks
 import pandas as pd
 import pytest
 import torch
@@ -230,7 +231,6 @@ def test_profile_trainer_saves_an_incomplete_run_on_crash(tmp_path: Path) -> Non
 
 def test_bare_callback_session_is_saved_at_interpreter_exit(tmp_path: Path) -> None:
     """Without profile_trainer a crash has no hook: the session is written, incomplete, by atexit."""
-    import subprocess
     import sys
     import textwrap
 
@@ -252,7 +252,8 @@ def test_bare_callback_session_is_saved_at_interpreter_exit(tmp_path: Path) -> N
         raise RuntimeError("crash with no hook")
         """
     )
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    # a fork of the preloaded Python (tests/forks.py): its interpreter ends as a fresh one does, atexit and all
+    proc = forks.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "crash with no hook" in proc.stderr
     summary = T.read_summary(tmp_path / "run")
     assert summary[T.SUMMARY_STATUS] == T.STATUS_INCOMPLETE
