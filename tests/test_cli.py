@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import html
 import json
 import math
@@ -817,6 +818,19 @@ def test_env(capsys: pytest.CaptureFixture[str]) -> None:
     doc = json.loads(out)
     assert rc == 0 and doc["hardware"]["device"] in ("cpu", "cuda")
     assert doc["usual_format"]["format"] in ("fp32", "bf16", "fp16")
+
+
+def test_the_command_line_moves_what_it_imported_out_of_the_garbage_collectors_reach(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The process is precprof's own: the objects of its imports (pandas, matplotlib, torch: hundreds of
+    thousands) are frozen, which each full collection read again (a tenth of a large report's rendering)."""
+    gc.unfreeze()  # (this worker's own, conftest.py's, given back below)
+    try:
+        rc, _, _ = run_main(["env", "--json"], capsys)
+        assert rc == 0 and gc.get_freeze_count() > 100_000
+    finally:
+        gc.freeze()
 
 
 def test_help_and_version(capsys: pytest.CaptureFixture[str]) -> None:
