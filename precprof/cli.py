@@ -9,6 +9,7 @@ finish), after the same.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import gc
 import os
@@ -587,7 +588,11 @@ def _imports_frozen() -> None:
     """This process is precprof's own: the objects of what it has imported so far (torch's alone some 300,000)
     are moved out of the garbage collector's reach, where each full collection read them all again (a tenth of a
     large report's rendering; pauses inside training steps). They live as long as the process anyway; what the
-    run makes is collected as before, and so is the user's model file, imported later."""
+    run makes is collected as before, and so is the user's model file, imported later. Given back at exit:
+    nanobind (Triton's bindings) counts its objects still alive as the interpreter ends, and prints each one a
+    frozen collector never freed as leaked."""
+    if not gc.get_freeze_count():
+        atexit.register(gc.unfreeze)
     gc.freeze()
 
 

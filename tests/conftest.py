@@ -129,6 +129,12 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     gc.freeze()
 
 
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Given back to the collector before the interpreter ends: nanobind (Triton's bindings) counts the objects
+    of its own still alive then, and printed each frozen one as leaked."""
+    gc.unfreeze()
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups (its loadgroup names nodes by them)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     gpu = [item for item in items if "gpu" in item.keywords]
