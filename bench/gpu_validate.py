@@ -388,7 +388,7 @@ def _gpt2_small_params() -> list[tuple[int, ...]]:
 def _param_launches(run: Run) -> list[dict[str, Any]]:
     """A sampled step's parameters (GPT-2 small's 148, fp32 and bf16) read one launch each (``add``) and 16 a
     launch (``add_many``, what the hooks call): the host time to enqueue them (no sync), the device time, and
-    whether both write the same rows. A dry run: six of the shapes divided by 64, in Triton's interpreter."""
+    whether both write the same rows. A dry run: six of the shapes divided by 256, in Triton's interpreter."""
     from precprof.stats import triton_engine as te
 
     if (run.device.type != "cuda" and not run.dry) or te.unavailable(run.device) is not None:
@@ -396,7 +396,7 @@ def _param_launches(run: Run) -> list[dict[str, Any]]:
     dev, reps = run.device, (1 if run.dry else 20)
     shapes = _gpt2_small_params()
     if run.dry:  # the plumbing: a few shapes, small, in the interpreter (a launch there takes tens of ms)
-        shapes = [tuple(max(1, d // 64) for d in s) for s in shapes[:6]]
+        shapes = [tuple(max(1, d // 256) for d in s) for s in shapes[:6]]
     out = []
     for dtype in (torch.float32, torch.bfloat16):
         if run.left() < 30:
@@ -538,7 +538,7 @@ ROW_SHAPES = (
 
 def _row_shapes(run: Run) -> list[dict[str, Any]]:
     """The Triton row kernel's throughput at 64M elements by ``ROW_SHAPES``, fp32 and bf16, beside ``x.sum()``
-    (a dry run: 1,024 elements and the first two shapes in Triton's interpreter, where the engine is
+    (a dry run: 256 elements and the first two shapes in Triton's interpreter, where the engine is
     available: a launch there takes a second)."""
     from precprof.stats import triton_engine as te
     from precprof.stats import triton_launch
@@ -547,7 +547,7 @@ def _row_shapes(run: Run) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     if (run.device.type != "cuda" and not run.dry) or te.unavailable(run.device) is not None:
         return out
-    n = 1 << 26 if run.device.type == "cuda" else 1 << 10  # a dry run: the plumbing, in the interpreter
+    n = 1 << 26 if run.device.type == "cuda" else 1 << 8  # a dry run: the plumbing, in the interpreter
     dtypes = [torch.float32, torch.bfloat16]
     # the aligned contiguous variant of each dtype (what a 64M tensor launches), every shape's compiled side by
     # side, then loaded and checked against Triton's own launch
@@ -712,7 +712,7 @@ def stage_host(run: Run) -> dict[str, Any]:
     on a stack of 100 tiny blocks, and a sampled step's added time by part (goal: <= 15 us per tensor)."""
     out = Path(tempfile.mkdtemp(prefix="precprof-host-")) / "host_cost.json"
     args = (
-        ["--device", "cpu", "--rounds", "1", "--steps", "2", "--blocks", "20"]
+        ["--device", "cpu", "--rounds", "1", "--steps", "2", "--blocks", "5"]
         if run.dry
         else ["--device", "cuda"]
     )
@@ -824,7 +824,7 @@ def stage_profile(run: Run) -> dict[str, Any]:
     chunks: list[tuple[int, int]] = []  # (tensors, elements) of each launch of _rows_many
 
     def profiled() -> Any:
-        for _ in range(3):
+        for _ in range(1 if run.dry else 3):  # (a dry run: the plumbing)
             step()
         launched.clear()
         chunks.clear()
@@ -1276,7 +1276,7 @@ def _cost_workload(
 ) -> tuple[dict[str, Any], Callable[[], torch.nn.Module], Callable[[torch.nn.Module], torch.Tensor]]:
     """(what it is, a fresh copy of the model on the device, its loss): the transformer of the other stages
     (gpt2-small bf16 8x1024 on CUDA, gpt-nano 2x32 on the CPU) or the host stage's 100 tiny blocks (a dry run:
-    20, as the host stage's dry run)."""
+    5, as the host stage's dry run)."""
     import copy
 
     import torch.nn.functional as F
@@ -1297,7 +1297,7 @@ def _cost_workload(
 
         info: dict[str, Any] = {"model": name, "batch": batch, "seq": seq, "precision": "bf16 autocast"}
     else:
-        n_blocks, width, batch = (100 if run.cuda else 20), 8, 4  # a dry run: the host stage's dry size
+        n_blocks, width, batch = (100 if run.cuda else 5), 8, 4  # a dry run: the host stage's dry size
         layers: list[torch.nn.Module] = []
         for _ in range(n_blocks):
             layers += [torch.nn.Linear(width, width), torch.nn.GELU()]
@@ -1697,8 +1697,9 @@ def stage_memory_cost(run: Run) -> dict[str, Any]:
     labels, replay, counters, NVML, the tracker's begin/end), and the unprofiled one times the history's calls
     alone and cheaper ways to read it (``history_calls``: CUDA only). ``api``: what this torch's history
     functions take and what precprof passes them."""
-    # warm-up, timed and instrumented steps (a dry run: the plumbing; memory_unmeasured measures its first two)
-    counts = (3, 6, 3) if run.cuda else (2, 2, 1)
+    # warm-up, timed and instrumented steps (a dry run: the plumbing; memory_unmeasured measures its first two,
+    # the warm-up's)
+    counts = (3, 6, 3) if run.cuda else (2, 1, 1)
     out: dict[str, Any] = {"api": _history_api(), "device": run.device.type, "diffs": MEMORY_COST_DIFFS}
     threads = torch.get_num_threads()
     if not run.cuda:

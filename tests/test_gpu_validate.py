@@ -87,7 +87,7 @@ def test_the_dry_run_exercises_every_stage(tmp_path: Path) -> None:
 
 
 def check_memory_cost(rec: dict) -> None:
-    """The memory_cost stage's dry run (read from the every-stage run above, about 10 s of it): whole sampled
+    """The memory_cost stage's dry run (read from the every-stage run above, 1-2 s of it): whole sampled
     steps with and without each part of the memory tracking, the measured one's parts timed from outside
     (torch.profiler's source on the CPU), the CUDA history's own calls skipped with the reason."""
     assert rec["status"] == "ok", rec
