@@ -207,8 +207,9 @@ def run_training(
     }
 
 
-def run_profile(spec: ModelSpec, steps: int, out: Path, *, device: str) -> dict:
-    """bf16 with per-layer statistics every 10 steps (eager); what the advisor recommends for this machine."""
+def run_profile(spec: ModelSpec, steps: int, out: Path, *, device: str, report: bool = True) -> dict:
+    """bf16 with per-layer statistics every 10 steps (eager); what the advisor recommends for this machine
+    (summary.json's, written with or without the page: ``report``)."""
     t0 = time.perf_counter()
     result = train(
         TrainConfig(
@@ -222,7 +223,7 @@ def run_profile(spec: ModelSpec, steps: int, out: Path, *, device: str) -> dict:
             out=out,
             sample_every=max(1, min(10, steps // 3)),
             progress=False,
-            report=True,
+            report=report,
             compile=False,
             overwrite=True,
         )
@@ -393,7 +394,8 @@ def main(argv: list[str] | None = None) -> int:
         for stage, precision, compiled in stages:
             try:
                 if stage == "profile":
-                    rec[stage] = run_profile(spec, profile_steps, base / stage, device=device)
+                    # (a dry run: no page, 3 of its 8 s of CPU; the advisor's verdict is the summary's)
+                    rec[stage] = run_profile(spec, profile_steps, base / stage, device=device, report=not dry)
                 else:
                     rec[stage] = run_training(
                         spec, precision, steps, base / stage, compile=compiled, device=device
