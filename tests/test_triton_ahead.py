@@ -3,12 +3,17 @@ into Triton's on-disk cache, so that the training's process then finds every ker
 
 On the CPU the other process compiles for sm_90 for real (ptxas comes with Triton); that the training's own
 process on a GPU then hits the cache is ``test_stats_gpu``'s to show, where the real driver runs.
+
+One spec's kernels are compiled once for the module (``sm90``: 4 row kernels and the block kernels, 6-7 s of CPU),
+and its cache copied where a test needs it (a row kernel takes 1.5 s of CPU to compile for sm_90).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
+import shutil
 import time
 from pathlib import Path
 
@@ -18,9 +23,14 @@ import torch
 from precprof.stats import blocks, triton_ahead, triton_engine
 from precprof.stats.layout import LAYOUT
 
-pytestmark = pytest.mark.skipif(
-    triton_engine.triton_missing() is not None, reason=str(triton_engine.triton_missing())
-)
+pytestmark = [
+    pytest.mark.skipif(
+        triton_engine.triton_missing() is not None, reason=str(triton_engine.triton_missing())
+    ),
+    # under pytest-xdist, the module's tests on one worker: ``sm90``'s compile once (the mark only where
+    # pytest-xdist, which knows it, runs the tests)
+    *([pytest.mark.xdist_group("triton-ahead")] if os.environ.get("PYTEST_XDIST_WORKER") else []),
+]
 
 
 def _files(root: Path) -> set[str]:
@@ -42,16 +52,28 @@ def _spec(**kw: object) -> triton_ahead.Ahead:
     return triton_ahead.Ahead(**args)
 
 
+@pytest.fixture(scope="module")
+def sm90(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str | None]:
+    """A cache filled by the other process with ``_spec(dtypes=(torch.float32,))`` (the row kernels of one
+    dtype, the block kernels): its folder (the tests copy it) and what ``compile_ahead`` said."""
+    root = tmp_path_factory.mktemp("sm90")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITON_CACHE_DIR", str(root))
+        return root, triton_ahead.compile_ahead(_spec(dtypes=(torch.float32,)))
+
+
 def test_the_other_process_fills_the_cache_and_a_second_finds_every_kernel_there(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sm90: tuple[Path, str | None]
 ) -> None:
     """Compiled for sm_90 in another process (no GPU, the interpreter off there): the row kernels of a dtype
     (4 variants) and the block kernels land in the cache given by TRITON_CACHE_DIR, with their cubins; the
     same spec compiled again writes nothing (every kernel a hit), and other rows (another block) are other
     kernels. (One dtype: each kernel's compile for sm_90 takes seconds of the suite.)"""
+    filled, said = sm90
+    assert said is None
+    shutil.copytree(filled, tmp_path, dirs_exist_ok=True)
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     fp32 = _spec(dtypes=(torch.float32,))
-    assert triton_ahead.compile_ahead(fp32) is None
     first = _files(tmp_path)
     cubins = [f for f in first if f.endswith(".cubin")]
     assert len(cubins) >= 4 + 1, sorted(first)  # 4 row variants, at least one block kernel
@@ -123,13 +145,21 @@ def test_spec_of_names_what_the_rows_compile() -> None:
 
 
 def test_the_buffers_background_warm_runs_it_first_and_says_so(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sm90: tuple[Path, str | None]
 ) -> None:
     """``StatsBuffer``'s warm with ``ahead`` (the background warm on CUDA) runs the other process inside the
     compile lock, before its own compiles, and records it as the phase "ahead"; a failure there is
     ``ahead_error`` and the warm goes on (here: the interpreter's, the rows right either way)."""
     from precprof.stats import StatsBuffer
 
+    # ``sm90``'s cache less one of its row kernels: the other process compiles that one, for sm_90, and finds
+    # the others (the first dtype's row kernels of the warm's spec are the very kernels of ``sm90``'s)
+    filled, said = sm90
+    assert said is None
+    shutil.copytree(filled, tmp_path, dirs_exist_ok=True)
+    (gone,) = {p.parent for p in tmp_path.rglob("_rows_many.cubin")}
+    shutil.rmtree(gone)
+    assert not gone.exists()
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     buf = StatsBuffer(2, "cpu", engine="triton", host_rows=False, dtypes=[torch.float32])
@@ -141,7 +171,7 @@ def test_the_buffers_background_warm_runs_it_first_and_says_so(
         asked.append(spec)
         # the other process really runs and compiles for sm_90, one dtype's four row kernels of what the warm
         # asked for (all of it, the three dtypes' row and block kernels, takes 20-35 s of the suite; the first
-        # test compiles a whole spec)
+        # test compiles a whole spec): three found in the cache, the fourth compiled
         one = dataclasses.replace(spec, dtypes=spec.dtypes[:1], block_dtypes=())
         return real(one) if len(asked) == 1 else "exit 1: RuntimeError: no"
 
@@ -153,7 +183,7 @@ def test_the_buffers_background_warm_runs_it_first_and_says_so(
         assert list(phases) == ["wait", "ahead", "compile", "load", "check"]
         assert phases["wait"][1] == phases["ahead"][0] and phases["ahead"][1] == phases["compile"][0]
     assert asked[0].dtypes == buf.dtypes and asked[0].layout == buf.layout  # the whole spec, asked for
-    assert [f for f in _files(tmp_path) if f.endswith(".cubin")]  # the first really compiled, for sm_90
+    assert _files(tmp_path) == _files(filled)  # the first really compiled the missing kernel, for sm_90
     x = torch.linspace(-3, 3, 1000)
     buf.accumulate(x, 0)
     ref = StatsBuffer(1, "cpu", engine="c")
