@@ -14,7 +14,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-import processes
+import forks
 import pytest
 from conftest import kernel_required
 
@@ -204,24 +204,29 @@ def test_a_planted_shared_library_never_runs(fresh: Path, tmp_path: Path, record
 
 @needs_cc
 @posix_only
-def test_concurrent_processes_build_once(cache: Path, tmp_path: Path) -> None:
+def test_concurrent_processes_build_once(
+    cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Three processes (torchrun ranks) start on an empty cache together: one compiles, the others wait on
-    the lock and load its library."""
+    the lock and load its library. (Forks of tests/forks.py's Python, which has imported torch and not loaded
+    the kernel: processes of their own, each with its own lock, without a fresh Python's 2 s of CPU apiece.)"""
     compiler()
     probe = textwrap.dedent(
         """
-        import os, time
+        import os, sys, time
         from precprof.stats import kernel as _cpu_kernel
+        count, ready, go = sys.argv[1:]
+        assert not _cpu_kernel._tried  # (a fork of a Python that loaded it would load no other)
         real = _cpu_kernel._compile
         def counting(cc, src, out):
-            with open(os.environ["COUNT_FILE"], "a") as f:
+            with open(count, "a") as f:
                 f.write("x")
             time.sleep(1.0)  # a slow compiler: the others arrive while it runs
             real(cc, src, out)
         _cpu_kernel._compile = counting
-        with open(os.environ["READY_FILE"], "a") as f:
+        with open(ready, "a") as f:
             f.write("r")
-        while not os.path.exists(os.environ["GO_FILE"]):
+        while not os.path.exists(go):
             time.sleep(0.01)
         lib = _cpu_kernel.load()
         st = _cpu_kernel.status()
@@ -229,18 +234,12 @@ def test_concurrent_processes_build_once(cache: Path, tmp_path: Path) -> None:
         """
     )
     count, ready, go = tmp_path / "count", tmp_path / "ready", tmp_path / "go"
-    env = {
-        **os.environ,
-        "PRECPROF_CACHE_DIR": str(cache),
-        "COUNT_FILE": str(count),
-        "READY_FILE": str(ready),
-        "GO_FILE": str(go),
-    }
+    env = {**os.environ, "PRECPROF_CACHE_DIR": str(cache)}
     env.pop("PRECPROF_CPU_KERNEL", None)
-    procs = [
-        processes.popen([sys.executable, "-c", probe], env=env, stdout=subprocess.PIPE, text=True)
-        for _ in range(3)
-    ]
+    # read when the kernel loads, not as precprof or torch load: the worker's server serves the probes
+    monkeypatch.setattr(forks, "_RUNTIME_ENV", forks._RUNTIME_ENV | {"PRECPROF_CACHE_DIR"})
+    args = [sys.executable, "-c", probe, str(count), str(ready), str(go)]
+    procs = [forks.popen(args, env=env, stdout=subprocess.PIPE, text=True) for _ in range(3)]
     try:
         import time
 
