@@ -591,9 +591,12 @@ def _imports_frozen() -> None:
     run makes is collected as before, and so is the user's model file, imported later. Given back at exit:
     nanobind (Triton's bindings) counts its objects still alive as the interpreter ends, and prints each one a
     frozen collector never freed as leaked."""
-    if not gc.get_freeze_count():
-        atexit.register(gc.unfreeze)
+    if not _unfrozen_at_exit:
+        _unfrozen_at_exit.append(atexit.register(gc.unfreeze))
     gc.freeze()
+
+
+_unfrozen_at_exit: list[object] = []  # (registered once a process)
 
 
 def _quiet_torch() -> None:
