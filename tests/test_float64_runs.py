@@ -4,6 +4,7 @@ the run is said to have run in float64, not "in fp32 outside autocast"."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -72,6 +73,20 @@ def test_a_float64_run_is_fp64_and_fp32_would_halve_it(plain: tuple[dict[str, An
     found = advisor.recommend(tables, summary=summary).finding("float64_layers")
     assert found is not None and found.severity == "info" and found.numbers["float64_layers"] == 2
     assert "model.float()" in found.remedy
+
+
+def test_an_activation_row_without_its_dtype_is_no_float64_and_breaks_no_verdict(
+    plain: tuple[dict[str, Any], dict[str, Any]],
+) -> None:
+    """A row whose dtype was not read back (NaN: the advisor's property test made one) failed the precision
+    check's count of float64 modules with a TypeError, and with it the whole page."""
+    tables, summary = plain
+    layers = tables["layers"].copy()
+    acts = layers.index[layers[T.TENSOR] == T.ACTIVATION]
+    layers[T.DTYPE] = layers[T.DTYPE].astype(object)
+    layers.loc[acts[:1], T.DTYPE] = math.nan
+    check = S.precision_check(layers, tables["memory"], summary)
+    assert check["verdict"].startswith("Double precision") and "1 of 2 modules" not in check["verdict"]
 
 
 def test_a_float64_model_under_bf16_autocast_ran_in_float64_not_outside_autocast(

@@ -590,7 +590,8 @@ def precision_check(layers: pd.DataFrame, memory: pd.DataFrame, summary: Mapping
     autocast = capture.get("autocast") if isinstance(capture, Mapping) else None
     on = isinstance(autocast, Mapping) and bool(autocast.get("enabled"))
     # modules with parameters that ran in float64 (a model.double() model): autocast leaves float64 ops alone
-    f64 = acts.loc[acts[T.DTYPE].astype(str).str.split("|").map(lambda d: "float64" in d), T.MODULE].nunique()
+    dtypes = T.texts(acts[T.DTYPE]).astype(str)  # (a row without its dtype: "")
+    f64 = acts.loc[dtypes.map(lambda d: "float64" in d.split("|")), T.MODULE].nunique()
     wide = _wide_words(acts[~acts.index.isin(low.index)])
     if acts.empty:
         verdict, ok = "No activations of modules with parameters were recorded.", True
@@ -657,7 +658,7 @@ def precision_check(layers: pd.DataFrame, memory: pd.DataFrame, summary: Mapping
 def _wide_words(acts: pd.DataFrame) -> str:
     """The dtypes of activation rows that are not 16- or 8-bit, in words: "float32", "float64", or "float32 or
     float64" (a row of several tensors names each, joined with "|")."""
-    seen = {d for v in acts[T.DTYPE].astype(str).unique() for d in v.split("|") if d}
+    seen = {d for v in T.texts(acts[T.DTYPE]).astype(str).unique() for d in v.split("|") if d}
     return " or ".join(sorted(seen)) or "float32"
 
 
