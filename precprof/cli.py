@@ -588,12 +588,12 @@ def _imports_frozen() -> None:
     """This process is precprof's own: the objects of what it has imported so far (torch's alone some 300,000)
     are moved out of the garbage collector's reach, where each full collection read them all again (a tenth of a
     large report's rendering; pauses inside training steps). They live as long as the process anyway; what the
-    run makes is collected as before, and so is the user's model file, imported later. Given back at exit:
-    nanobind (Triton's bindings) counts its objects still alive as the interpreter ends, and prints each one a
-    frozen collector never freed as leaked."""
-    if not _unfrozen_at_exit:
-        _unfrozen_at_exit.append(atexit.register(gc.unfreeze))
+    run makes is collected as before, and so is the user's model file, imported later. Where Triton is loaded,
+    they are given back at exit: its bindings (nanobind) count their objects still alive as the interpreter ends
+    and print each as leaked (given back always, a process's exit read them all again: 1 s of a short run)."""
     gc.freeze()
+    if "triton" in sys.modules and not _unfrozen_at_exit:
+        _unfrozen_at_exit.append(atexit.register(gc.unfreeze))
 
 
 _unfrozen_at_exit: list[object] = []  # (registered once a process)
