@@ -590,13 +590,18 @@ def _imports_frozen() -> None:
     large report's rendering; pauses inside training steps). They live as long as the process anyway; what the
     run makes is collected as before, and so is the user's model file, imported later. Where Triton is loaded,
     they are given back at exit: its bindings (nanobind) count their objects still alive as the interpreter ends
-    and print each as leaked (given back always, a process's exit read them all again: 1 s of a short run)."""
+    and print each as leaked (given back always, a process's exit read them all again: 1 s of a short run).
+    Only when ``main`` is the process's entry point (no ``argv`` given): a Python of the user's (or a test's)
+    that calls ``main([...])`` keeps its collector as it was, and each call would have frozen its garbage too."""
+    if not _entry_point:
+        return
     gc.freeze()
     if "triton" in sys.modules and not _unfrozen_at_exit:
         _unfrozen_at_exit.append(atexit.register(gc.unfreeze))
 
 
 _unfrozen_at_exit: list[object] = []  # (registered once a process)
+_entry_point: list[bool] = []  # [True] while ``main`` runs as the process's entry point (``argv`` not given)
 
 
 def _quiet_torch() -> None:
@@ -641,6 +646,7 @@ def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``precprof`` console script and ``python -m precprof``."""
     _arrow_memory_pool()
     _quiet_torch()
+    _entry_point[:] = [True] if argv is None else []
     _imports_frozen()
     command = typer.main.get_command(app)
     args = list(sys.argv[1:] if argv is None else argv)

@@ -111,14 +111,16 @@ def _serve(sock: socket.socket) -> dict[str, Any]:
 
     import precprof  # noqa: F401
 
-    torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)  # (imports torch._dynamo)
     for name in _PRELOAD:  # what every command and report imports next, where it starts no thread
         with contextlib.suppress(ImportError):
             __import__(name)
     # the imports' objects (some 300,000) out of the collector's reach in every child, as in the tests' own
-    # process (conftest.py): each full collection read them all again, a fifth of a report's time
+    # process (conftest.py): each full collection read them all again, a fifth of a report's time. Before
+    # torch._dynamo loads Triton: its bindings (nanobind) print each of their objects still alive as a child's
+    # interpreter ends (a frozen one never is) as leaked
     gc.collect()
     gc.freeze()
+    torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)  # (imports torch._dynamo)
     # woken by a child's end (SIGCHLD, through the wakeup pipe) or a request, never polling
     woken, wake = os.pipe()
     os.set_blocking(wake, False)
