@@ -588,11 +588,11 @@ def _imports_frozen() -> None:
     """This process is precprof's own: the objects of what it has imported so far (torch's alone some 300,000)
     are moved out of the garbage collector's reach, where each full collection read them all again (a tenth of a
     large report's rendering; pauses inside training steps). They live as long as the process anyway; what the
-    run makes is collected as before, and so is the user's model file, imported later. Where Triton is loaded,
-    they are given back at exit: its bindings (nanobind) count their objects still alive as the interpreter ends
-    and print each as leaked (given back always, a process's exit read them all again: 1 s of a short run).
-    Only when ``main`` is the process's entry point (no ``argv`` given): a Python of the user's (or a test's)
-    that calls ``main([...])`` keeps its collector as it was, and each call would have frozen its garbage too."""
+    run makes is collected as before, and so is the user's model file, imported later. They are given back at
+    exit only where Triton is loaded: its bindings (nanobind) print each of their objects still alive as the
+    interpreter ends as leaked; elsewhere the exit would read them all again (1 s of a short run). Only when
+    ``main`` is the process's entry point (no ``argv`` given): a Python that calls ``main([...])`` itself (a
+    test's, a user's) keeps its collector as it was, where each call would have frozen its garbage too."""
     if not _entry_point:
         return
     gc.freeze()

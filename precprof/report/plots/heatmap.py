@@ -122,6 +122,10 @@ class RowSelection:
         every two rows striped the whole figure, and marked nothing the row names do not say; none is drawn."""
         return len(self.gaps()) > (len(self.index) - 1) / 2
 
+    def marked_gaps(self) -> list[int]:
+        """The gaps a dashed line marks (``gaps``): none where they are most of the drawn rows."""
+        return [] if self.gaps_dense() else self.gaps()
+
 
 def _spread_layers(rows: list[tuple[str, str]], tied: list[int], left: int) -> list[int]:
     """``left`` of the ``tied`` rows, taken evenly over forward order by whole layers (a layer's weight and bias,
@@ -309,10 +313,11 @@ X_LABEL = "log2 |value|, unscaled (column k: [2^k, 2^(k+1)))"
 def _mark_gaps(axes: tuple[Any, ...], sel: RowSelection) -> None:
     """A dashed line across each of ``axes`` above each drawn row that follows rows left out, unless that is most
     of them (``RowSelection.gaps_dense``)."""
-    if sel.gaps() and not sel.gaps_dense():
+    gaps = sel.marked_gaps()
+    if gaps:
         for a in axes:
             a.hlines(
-                sel.gaps(),
+                gaps,
                 0,
                 1,
                 transform=a.get_yaxis_transform(),
@@ -593,7 +598,7 @@ def signature_heatmap(
     ax_leg.axis("off")
     kinds = ("underflow", "inf/nan (recorded)") if focus == "fp8" else tuple(LOST_COLORS)
     handles: list[Artist] = [Patch(color=LOST_COLORS[k], alpha=0.85, label=k) for k in kinds]
-    if sel.gaps() and not sel.gaps_dense():
+    if sel.marked_gaps():
         handles.append(Line2D([], [], color=GAP_COLOR, ls=(0, (3, 2)), lw=0.9, label="rows left out"))
     ax_leg.legend(
         handles=handles,
