@@ -262,12 +262,12 @@ def test_a_diverged_fp16_run_counts_every_skipped_step_and_the_verdict_says_it_d
 KILL_AT = 7  # sampled every 3rd step: steps 3 and 6 sampled, 1, 2, 4 and 5 not, once step 0 is left out
 KILLED = textwrap.dedent(
     f"""
-    import os, signal, sys, time, torch
+    import os, signal, sys, torch
     from precprof.training import Callback, TrainConfig, train
     class Kill(Callback):
         def on_step_end(self, run):
             if run.step == {KILL_AT}:
-                time.sleep(2.0)  # the writer thread puts the last flush on disk
+                run.profiler._recorded.sink.drain()  # every flush queued on disk (a sleep of 2 s waited)
                 os.kill(os.getpid(), signal.SIGKILL)
     torch.set_num_threads(1)
     train(TrainConfig(model="gpt-nano", model_args={TINY!r}, steps=50, batch_size=2, seq_len=16,
