@@ -206,6 +206,9 @@ def fails(*args, **kwargs):
 
 if sys.argv[-1] == "ctrl-c":  # the last thing attach does, after the claim and the stream
     profiler.Profiler._begin_step = ctrl_c
+    # Python's handler as a terminal's script has it, even where the tests run with SIGINT ignored (a shell's
+    # `pytest &` without job control: the forked script inherited it, and its Ctrl-C did nothing)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 elif sys.argv[-1] == "error":  # the step hooks, made after the claim
     assembly.StepHooks = fails
 failed = False
