@@ -122,6 +122,32 @@ def test_heatmap_margin_is_no_wider_than_its_labels() -> None:
     assert plots.MARGIN_PAD_PX - 1 <= leftmost <= plots.MARGIN_PAD_PX + 1
 
 
+def test_a_fitted_figure_draws_its_texts_without_measuring_them_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``fit_margins`` measures every text; the PNG is drawn on the same canvas, whose renderer keeps those
+    measurements: a new canvas for the PNG measured a heatmap's hundreds of texts a second time."""
+    from matplotlib.backends.backend_agg import RendererAgg
+
+    measured: list[str] = []
+    measure = RendererAgg.get_text_width_height_descent
+
+    def counting(self: RendererAgg, s: str, prop: Any, ismath: Any) -> Any:
+        measured.append(s)
+        return measure(self, s, prop, ismath)
+
+    monkeypatch.setattr(RendererAgg, "get_text_width_height_descent", counting)
+    fig = Figure(figsize=(plots.FIG_WIDTH_IN, 2))
+    ax = fig.add_subplot()
+    ax.plot([0, 1, 2], [3, 1, 2])
+    ax.set_ylabel("a label")
+    plots.fit_margins(fig)
+    assert "a label" in measured
+    canvas, n = fig.canvas, len(measured)
+    assert plots.png_bytes(fig).startswith(b"\x89PNG")
+    assert fig.canvas is canvas and measured[n:] == []
+
+
 def test_row_labels_keep_what_tells_layers_apart() -> None:
     """A peft LoRA model's weight gradients: a plain middle cut made all eight rows
     ``base_model.model.mode….lora_A.default.weight`` (or ``_B``). The labels leave out the prefix all share

@@ -58,9 +58,18 @@ def unhinted_text() -> Iterator[None]:
         rc["text.hinting"] = before
 
 
+def agg_canvas(fig: Figure) -> FigureCanvasAgg:
+    """``fig``'s Agg canvas, attached explicitly (no backend lookup, no pyplot) unless it has one already: the
+    canvas keeps its renderer, and matplotlib keeps each renderer's text measurements, so that a figure whose
+    margins were fitted to its texts (:func:`fit_margins`) draws them without measuring each again (a new canvas
+    for the PNG measured a heatmap's hundreds of texts twice)."""
+    canvas = fig.canvas
+    return canvas if isinstance(canvas, FigureCanvasAgg) else FigureCanvasAgg(fig)
+
+
 def png_bytes(fig: Figure, dpi: int = DPI) -> bytes:
-    """Render ``fig`` to PNG bytes with the Agg canvas."""
-    FigureCanvasAgg(fig)  # attach the Agg canvas explicitly: no backend lookup, no pyplot
+    """Render ``fig`` to PNG bytes with the Agg canvas (:func:`agg_canvas`)."""
+    agg_canvas(fig)
     buf = io.BytesIO()
     with glyphs_quiet():
         fig.savefig(buf, format="png", dpi=dpi)
@@ -69,7 +78,7 @@ def png_bytes(fig: Figure, dpi: int = DPI) -> bytes:
 
 def svg_bytes(fig: Figure) -> bytes:
     """Render ``fig`` to SVG bytes (for small line plots that should stay sharp when zoomed)."""
-    FigureCanvasAgg(fig)
+    agg_canvas(fig)
     buf = io.BytesIO()
     with glyphs_quiet():
         fig.savefig(buf, format="svg")
@@ -241,8 +250,7 @@ def fit_margins(fig: Figure, *, max_left: float = 0.6, min_right: float = 0.55) 
     Texts anchored to the axes (row names, tick labels, axis labels) move with the axes, so one measurement
     gives the exact shift. Measures without rasterising (``get_tightbbox``); the figure's size is unchanged.
     """
-    FigureCanvasAgg(fig)
-    renderer = fig.canvas.get_renderer()  # type: ignore[attr-defined]
+    renderer = agg_canvas(fig).get_renderer()
     w, h = fig.bbox.width, fig.bbox.height
     with glyphs_quiet():
         box = fig.get_tightbbox(renderer).transformed(fig.dpi_scale_trans)  # in pixels
