@@ -148,6 +148,25 @@ def test_a_fitted_figure_draws_its_texts_without_measuring_them_again(
     assert fig.canvas is canvas and measured[n:] == []
 
 
+@pytest.mark.parametrize("face", ["white", "none"])
+def test_a_figures_png_holds_matplotlibs_pixels(face: str) -> None:
+    """``png_bytes`` writes the PNG itself (RGB where every pixel is opaque, at a faster zlib level): the pixels
+    are those of matplotlib's own PNG, and a figure that is transparent somewhere keeps its alpha channel."""
+    import io
+
+    from PIL import Image
+
+    fig = Figure(figsize=(3, 2), facecolor=face)
+    fig.add_subplot().plot([0, 1, 2], [3, 1, 2], label="a line")
+    ours = Image.open(io.BytesIO(plots.png_bytes(fig)))
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=plots.DPI)
+    theirs = Image.open(buf)
+    assert ours.mode == ("RGB" if face == "white" else "RGBA")
+    assert ours.size == theirs.size and round(ours.info["dpi"][0]) == plots.DPI
+    assert np.array_equal(np.asarray(ours.convert("RGBA")), np.asarray(theirs.convert("RGBA")))
+
+
 def test_row_labels_keep_what_tells_layers_apart() -> None:
     """A peft LoRA model's weight gradients: a plain middle cut made all eight rows
     ``base_model.model.mode….lora_A.default.weight`` (or ``_B``). The labels leave out the prefix all share
