@@ -564,10 +564,17 @@ def memory_at(memory: pd.DataFrame, moment: str = "") -> pd.DataFrame:
 
 
 def empty(name: str) -> pd.DataFrame:
-    """An empty table with the right columns."""
-    return pd.DataFrame(
-        {c: pd.Series(dtype="int64" if c in _INT_COLUMNS else "object") for c in TABLES[name]}
-    )
+    """An empty table with the right columns (a copy of one built once per table: building the hundred columns
+    of the layers table took milliseconds, a copy of the empty frame microseconds)."""
+    made = _EMPTY.get(name)
+    if made is None:
+        made = _EMPTY[name] = pd.DataFrame(
+            {c: pd.Series(dtype="int64" if c in _INT_COLUMNS else "object") for c in TABLES[name]}
+        )
+    return made.copy()
+
+
+_EMPTY: dict[str, pd.DataFrame] = {}  # empty()'s templates, never handed out themselves
 
 
 def frame(name: str, rows: list[dict[str, Any]] | pd.DataFrame) -> pd.DataFrame:

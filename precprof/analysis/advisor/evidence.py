@@ -346,7 +346,7 @@ def _prepare(tables: Mapping[str, pd.DataFrame]) -> tuple[pd.DataFrame, pd.DataF
     """
     # shallow copies: frame() may add missing columns, which must not reach the caller's tables; every column
     # changed below is assigned anew (a deep copy of a thousand sampled steps' rows took seconds)
-    layers = T.frame("layers", tables.get("layers", T.empty("layers")).copy(deep=False))
+    layers = T.frame("layers", _table(tables, "layers").copy(deep=False))
     for c in _NUMERIC_LAYER_COLS:
         layers[c] = _numeric(layers[c])
     layers = layers.dropna(subset=[T.STEP]).reset_index(drop=True)
@@ -357,20 +357,25 @@ def _prepare(tables: Mapping[str, pd.DataFrame]) -> tuple[pd.DataFrame, pd.DataF
     layers[T.SCALE] = layers[T.SCALE].fillna(1.0)
     for c in (T.MODULE, T.MODULE_TYPE, T.TENSOR, T.PARAM, T.DTYPE):
         layers[c] = T.texts(layers[c])
-    hist = T.frame("histograms", tables.get("histograms", T.empty("histograms")).copy(deep=False))
+    hist = T.frame("histograms", _table(tables, "histograms").copy(deep=False))
     for c in (T.STEP, T.EXPONENT, T.COUNT):
         hist[c] = _numeric(hist[c])
     if hist[T.EXPONENT].hasnans or hist[T.COUNT].hasnans:
         hist = hist.dropna(subset=[T.EXPONENT, T.COUNT])
     if hist[T.MODULE].isna().any():  # as in layers, and as the totals key it: a row without a module is ""
         hist[T.MODULE] = T.texts(hist[T.MODULE])
-    steps = T.frame("steps", tables.get("steps", T.empty("steps")).copy())
+    steps = T.frame("steps", _table(tables, "steps").copy())
     for c in (T.STEP, T.LOSS, T.LOSS_SCALE, T.GRAD_NORM):
         steps[c] = pd.to_numeric(steps[c], errors="coerce")
     steps = steps.dropna(subset=[T.STEP])
     steps[T.SKIPPED] = steps[T.SKIPPED].map(_flag).astype(bool)
     steps = steps.sort_values(T.STEP, kind="stable").reset_index(drop=True)
     return layers, hist, steps
+
+
+def _table(tables: Mapping[str, pd.DataFrame], name: str) -> pd.DataFrame:
+    """Table ``name`` of ``tables``, an empty one where it is absent (built only then)."""
+    return tables[name] if name in tables else T.empty(name)
 
 
 def _numeric(col: pd.Series) -> pd.Series:
