@@ -175,6 +175,7 @@ def recommend(
             plan.diverged_forward = at[at[T.STEP] == plan.diverged[0]]
             run.layers = run.layers[before]
             run._kinds.clear()
+            run._memo.clear()
             run.hist = run.hist[run.hist[T.STEP] < plan.diverged[0]]
             run.steps = run.steps[run.steps[T.STEP] < plan.diverged[0]]
             plan.diverged_sampled_before = int(run.layers[T.STEP].nunique())

@@ -5,9 +5,9 @@ counts and histograms into shares, scales and words.
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeGuard
+from typing import Any, TypeGuard, TypeVar, cast
 
 import numpy as np
 import pandas as pd
@@ -21,6 +21,8 @@ from precprof.analysis.advisor.text import _listing, _log2i
 from precprof.analysis.fp8_speed import Estimate
 from precprof.formats import FP16, NumberFormat
 from precprof.hardware import HardwareInfo
+
+_V = TypeVar("_V")
 
 # summary["model"]["dims"] keys that are tensor dimensions (others, like n_layer, are counts).
 _DIM_KEYS = (
@@ -198,6 +200,17 @@ class _Run:
     _totals: pd.DataFrame | None = field(default=None, init=False, repr=False)
     # _first_activations(), likewise
     _first: dict[str, tuple[float, float]] | None = field(default=None, init=False, repr=False)
+    # memo(): what several rules read of the layers, computed once per run (emptied with _kinds)
+    _memo: dict[Hashable, Any] = field(default_factory=dict, init=False, repr=False)
+
+    def memo(self, key: Hashable, make: Callable[[], _V]) -> _V:
+        """``make()``, computed once per run and ``key`` (which names the function and any argument besides
+        the run): what several rules read (the weights without a training gradient, the layers' shapes). It
+        lives as long as the run, one ``recommend`` call: a user's two runs in one process never share one.
+        Callers never modify what it returns."""
+        if key not in self._memo:
+            self._memo[key] = make()
+        return cast(_V, self._memo[key])
 
     def sort(self, modules: Iterable[str]) -> list[str]:
         return sorted(set(modules), key=lambda m: (self.order.get(m, 1 << 30), m))

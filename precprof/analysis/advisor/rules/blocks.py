@@ -151,9 +151,15 @@ def inputs_of(
 
 def _first_activations(run: _Run) -> tuple[set[str], dict[str, tuple[float, float]]]:
     """The modules with activation rows, and per module the activation elements and calls of the first
-    sampled step, ``(numel, calls)``."""
-    acts = run.kind(T.ACTIVATION)
-    return {str(m) for m in acts[T.MODULE].unique()}, _numel_calls(acts[acts[T.STEP] == acts[T.STEP].min()])
+    sampled step, ``(numel, calls)``. Computed once per run."""
+
+    def make() -> tuple[set[str], dict[str, tuple[float, float]]]:
+        acts = run.kind(T.ACTIVATION)
+        return {str(m) for m in acts[T.MODULE].unique()}, _numel_calls(
+            acts[acts[T.STEP] == acts[T.STEP].min()]
+        )
+
+    return run.memo("first_activations", make)
 
 
 def _judged_on(run: _Run, modules: list[str], sampled: int) -> str:

@@ -173,7 +173,12 @@ def made_more_often(run: _Run, modules: list[str], inputs: Mapping[str, list[str
     output went into the layer's histogram with its first), so it measures no input of the layer on that step.
     The capture reads such a layer's own input from the next sampled step on (``capture.gemm_inputs``), or at
     once when the maker had already run more often (T5's dropout, applied to the embeddings and to the
-    encoder's output, which the cross-attention's k and v read)."""
+    encoder's output, which the cross-attention's k and v read). Computed once per run, layers and inputs."""
+    key = ("made_more_often", tuple(modules), tuple((m, tuple(inputs.get(m, []))) for m in modules))
+    return run.memo(key, lambda: _made_more_often(run, modules, inputs))
+
+
+def _made_more_often(run: _Run, modules: list[str], inputs: Mapping[str, list[str]]) -> pd.DataFrame:
     capture = run.summary.get(T.SUMMARY_CAPTURE) or {}
     listed = capture.get("gemm_inputs") if isinstance(capture, Mapping) else None
     listed = listed if isinstance(listed, Mapping) else {}  # (a guess of an older run's is left as it is)

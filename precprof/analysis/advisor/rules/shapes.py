@@ -299,7 +299,13 @@ def _fp8_shapes(run: _Run, linear: list[str], dims: dict[str, dict[str, int]]) -
     (``_read_shapes``), and the first sampled step whose calls' tokens are not all multiples of FP8's where the
     first step's mean is (``_Fp8Shape.odd_tokens``): a later step's (padding each batch to its longest
     sequence varies them), or a step whose calls had different tokens (8 and 24 average 16: an MoE expert, a
-    model called on two batch sizes), judged on the largest number dividing each call's (``uneven_calls``)."""
+    model called on two batch sizes), judged on the largest number dividing each call's (``uneven_calls``).
+    Computed once per run, layers and dims (the alignment, FP8 and block-format rules read them alike)."""
+    key = ("fp8_shapes", tuple(linear), tuple((m, tuple(d.items())) for m, d in dims.items()))
+    return run.memo(key, lambda: _measured_shapes(run, linear, dims))
+
+
+def _measured_shapes(run: _Run, linear: list[str], dims: dict[str, dict[str, int]]) -> dict[str, _Fp8Shape]:
     shapes = _read_shapes(run, linear, dims)
     acts = run.kind(T.ACTIVATION)
     acts = acts[acts[T.MODULE].isin([m for m, sh in shapes.items() if sh.out_features])]

@@ -26,7 +26,12 @@ def _zero_gradient(run: _Run, wu: pd.DataFrame) -> pd.Series:
     everywhere (an expert no token reached, called with none), or none from the step's backward (a layer the step
     skipped, whose ``.grad`` ``zero_grad(set_to_none=False)`` left a zero tensor): weight decay or momentum alone
     moved the weight (``lost_updates.zero_gradient``)."""
-    return lost_updates.zero_gradient(run.kind(T.WEIGHT_GRAD), wu)
+    if wu is not run.kind(T.WEIGHT_UPDATE):
+        return lost_updates.zero_gradient(run.kind(T.WEIGHT_GRAD), wu)
+    return run.memo(
+        "zero_gradient",
+        lambda: lost_updates.zero_gradient(run.kind(T.WEIGHT_GRAD), run.kind(T.WEIGHT_UPDATE)),
+    )
 
 
 def _nonzero_updates(rows: pd.DataFrame) -> pd.Series:
@@ -44,7 +49,7 @@ def _sample_weights(run: _Run) -> pd.Series:
     for (``tables.sample_weights``): the update sample holds at most ``update_sample`` strided elements of a
     parameter and every element of a smaller one, so a share summed over parameters by their samples weighs a
     16-element bias as much as a 65,536-element weight."""
-    return T.sample_weights(run.kind(T.WEIGHT, T.WEIGHT_UPDATE))
+    return run.memo("sample_weights", lambda: T.sample_weights(run.kind(T.WEIGHT, T.WEIGHT_UPDATE)))
 
 
 def _estimated(rows: pd.DataFrame, lost: pd.Series, weights: pd.Series) -> tuple[float, float, float | None]:
@@ -242,7 +247,14 @@ def _fp32_lost(run: _Run, weights: pd.Series) -> tuple[pd.DataFrame, float, floa
     """The updates that did not land in weights the run holds in fp32 (``lost_update_held`` of the float32 rows,
     the weights with no training gradient on their step left out): (the rows, lost and intended in the sample,
     the share lost, each parameter at its size, ``_estimated``; None where none is measured).
-    ``fp32_lost_updates`` fires where the share is above ``lost_update_warn``."""
+    ``fp32_lost_updates`` fires where the share is above ``lost_update_warn``. Computed once per run for its
+    ``_sample_weights`` (the rule and the bf16 what-if's remedy read it)."""
+    if weights is not _sample_weights(run):
+        return _fp32_lost_rows(run, weights)
+    return run.memo("fp32_lost", lambda: _fp32_lost_rows(run, weights))
+
+
+def _fp32_lost_rows(run: _Run, weights: pd.Series) -> tuple[pd.DataFrame, float, float, float | None]:
     wu = run.kind(T.WEIGHT_UPDATE)
     if wu.empty or T.LOST_UPDATE_HELD not in wu:
         return wu.iloc[:0], 0.0, 0.0, None
