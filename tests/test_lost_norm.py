@@ -198,3 +198,51 @@ def test_each_histogram_row_finds_its_tensor(categorical: bool) -> None:
     if categorical:
         hist = hist.astype({c: "category" for c in (T.MODULE, T.TENSOR, T.PARAM)})
     assert _row_index(hist, rows).tolist() == [0, 1, 2, 3, -1, -1, -1]
+
+
+def test_fp8_summary_per_layer_and_side() -> None:
+    """``fp8_summary``: per (layer, side), in the order the pairs come, the largest of its tensors' medians over
+    steps (NaN skipped), the worst step, the tensor named for a share the first of the largest (ties and
+    all-NaN shares go to the tensor first by ``pushed``), a floored step anywhere, and the distinct steps."""
+    import pandas as pd
+
+    from precprof import tables as T
+    from precprof.analysis.advisor.rules.fp8 import fp8_summary
+
+    nan = math.nan
+    cols = [T.STEP, T.MODULE, T.TENSOR, T.PARAM, "side", "lost_norm", "lost_values"]
+    cols += ["pushed", "pushed_pooled", "below", "floored"]
+    losses = pd.DataFrame(
+        [
+            # layer a's input, read from two modules at step 0: two rows a step, one step counted
+            (0, "a", "input", "", "forward", 0.125, 0.0, 0.02, nan, 0.25, False),
+            (0, "a", "input", "", "forward", 0.125, 0.0, 0.02, nan, 0.25, False),
+            (1, "a", "input", "", "forward", 0.5, 0.0, 0.02, nan, 0.25, False),
+            (2, "a", "input", "", "forward", nan, 0.0, 0.02, nan, 0.25, False),
+            (3, "a", "input", "", "forward", 0.25, 0.0, 0.02, nan, 0.25, False),
+            (0, "a", "weight", "weight", "forward", 0.375, 0.5, 0.05, nan, 0.25, False),
+            (1, "a", "weight", "weight", "forward", 0.625, 0.25, 0.05, nan, 0.25, True),
+            (0, "b", "weight", "weight", "forward", 0.0, 0.0, 0.0, 0.5, 0.0, False),
+            (0, "a", "activation_grad", "", "backward", nan, nan, nan, nan, nan, False),
+            (1, "a", "activation_grad", "", "backward", nan, nan, nan, nan, nan, False),
+        ],
+        columns=cols,
+    )
+    got = fp8_summary(losses)
+    assert list(got.index) == [("a", "forward"), ("b", "forward"), ("a", "backward")]
+    a = got.loc[("a", "forward")]
+    assert (a["norm"], a["norm_worst"], a["values"]) == (0.5, 0.625, 0.375)  # weight: medians 0.5, 0.375
+    assert (a["pushed"], a["pushed_tensor"]) == (0.05, "weight")
+    assert math.isnan(a["pushed_pooled"]) and a["pushed_pooled_tensor"] == "weight"  # first by pushed
+    assert (a["below"], a["below_tensor"]) == (0.25, "weight")  # a tie: the first by pushed
+    assert bool(a["floored"]) and a["steps"] == 4
+    b = got.loc[("b", "forward")]
+    assert (b["pushed_pooled"], b["pushed_pooled_tensor"], bool(b["floored"]), b["steps"]) == (
+        0.5,
+        "weight",
+        False,
+        1,
+    )
+    back = got.loc[("a", "backward")]
+    assert math.isnan(back["norm"]) and back["pushed_tensor"] == "activation_grad" and back["steps"] == 2
+    assert fp8_summary(losses.iloc[:0]).empty
