@@ -425,7 +425,11 @@ def _text_codes(col: pd.Series, cats: pd.Index) -> np.ndarray:
     if isinstance(col.dtype, pd.CategoricalDtype):
         names = ["" if c is None else str(c) for c in col.cat.categories] + [""]  # code -1: missing
         return cats.get_indexer(pd.Index(names, dtype=object))[col.cat.codes.to_numpy().astype(np.int64)]
-    return cats.get_indexer(pd.Index(T.texts(col).astype(object).to_numpy(), dtype=object))
+    # a text column by its distinct values too (factorized: the histograms' millions of rows are hashed once,
+    # not each turned into a Python string and looked up)
+    codes, distinct = pd.factorize(col)
+    names = [*T.texts(pd.Series(distinct, dtype=object)).astype(object), ""]  # code -1: missing
+    return cats.get_indexer(pd.Index(names, dtype=object))[codes.astype(np.int64)]
 
 
 def _row_index(hist: pd.DataFrame, rows: pd.DataFrame) -> np.ndarray:
