@@ -367,6 +367,8 @@ _BOOL_COLUMNS = {SKIPPED, SAMPLED, RESUMED, CUT_OFF, NO_LOSS, COMPILED}
 def flags(column: pd.Series) -> pd.Series:
     """A yes/no column (``skipped``, ``sampled``) as plain bool, whatever dtype it was read back in: missing
     (None, NaN) is False. ``fillna(False)`` on a float column is deprecated in pandas."""
+    if column.dtype == bool:  # plain bool already (the advisor's prepared steps): nothing is missing
+        return column.copy(deep=False)
     return column.map(lambda v: False if v is None or v != v else bool(v)).astype(bool)
 
 
@@ -489,8 +491,13 @@ def texts(column: pd.Series) -> pd.Series:
         cat = pd.Categorical.from_codes(remap[codes], categories=uniq)
         return pd.Series(cat, index=column.index, name=column.name)
     if isinstance(column.dtype, pd.StringDtype):  # text already: only its missing values change
-        return column.fillna("").astype(str) if column.hasnans else column.astype(str)
+        if column.hasnans:
+            return column.fillna("").astype(str)
+        return column.copy(deep=False) if column.dtype == _STR else column.astype(str)
     return column.astype(object).where(column.notna(), "").astype(str)
+
+
+_STR = pd.Series([""]).astype(str).dtype  # what astype(str) makes of a text column
 
 
 class LossTail:

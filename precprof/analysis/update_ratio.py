@@ -82,8 +82,8 @@ def nonfinite_steps(layers: pd.DataFrame) -> dict[str, tuple[int, int]]:
         }
     )
     per = steps.groupby([T.MODULE, T.STEP], sort=False)["bad"].any().groupby(level=0, sort=False)
-    counts = pd.DataFrame({"bad": per.sum(), "all": per.size()})
-    return {str(m): (int(r["bad"]), int(r["all"])) for m, r in counts.iterrows() if r["bad"] > 0}
+    bad, every = per.sum(), per.size()
+    return {str(m): (int(b), int(n)) for m, b, n in zip(bad.index, bad, every, strict=True) if b > 0}
 
 
 def layer_ratios(layers: pd.DataFrame) -> dict[str, dict[str, float]]:
@@ -101,7 +101,7 @@ def layer_ratios(layers: pd.DataFrame) -> dict[str, dict[str, float]]:
             "absmax": g[T.ABSMAX].max(),
         }
     )
-    return {str(m): {k: float(v) for k, v in r.items()} for m, r in stats.iterrows()}
+    return {str(m): {k: float(v) for k, v in r.items()} for m, r in stats.to_dict("index").items()}
 
 
 def summary(layers: pd.DataFrame, shared: Mapping[str, Any] | None = None) -> dict[str, Any] | None:

@@ -23,6 +23,7 @@ from precprof.formats import FP16, NumberFormat
 from precprof.hardware import HardwareInfo
 
 _V = TypeVar("_V")
+_UNBLOCKED = "layers without the block-format columns"  # _Run.kind()'s copy, in its memo
 
 # summary["model"]["dims"] keys that are tensor dimensions (others, like n_layer, are counts).
 _DIM_KEYS = (
@@ -221,9 +222,16 @@ class _Run:
         Computed once per run; callers never modify it."""
         got = self._kinds.get(kinds)
         if got is None:
-            block = set(T.BLOCK_COLUMNS)
-            cols = [c for c in self.layers.columns if c not in block]
-            got = self._kinds[kinds] = self.layers[cols][_rows_of_kinds(self.layers[T.TENSOR], kinds)]
+            base = self._memo.get(_UNBLOCKED)
+            if base is None:
+                # copied once, into a few blocks of one dtype each: a row selection of the hundred columns
+                # _prepare assigned one by one, each a block of its own, took twice as long, and so did every
+                # selection the rules make of what it returned
+                block = set(T.BLOCK_COLUMNS)
+                base = self._memo[_UNBLOCKED] = self.layers[
+                    [c for c in self.layers.columns if c not in block]
+                ].copy()
+            got = self._kinds[kinds] = base[_rows_of_kinds(base[T.TENSOR], kinds)]
         return got
 
     def hist_totals(self) -> pd.DataFrame:
