@@ -33,7 +33,7 @@ gradients, optimizer_states, master_weights, buffers, activations, autocast_weig
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import pandas as pd
@@ -178,16 +178,20 @@ def representative_step(memory: pd.DataFrame) -> int | None:
 def _step_rows(memory: pd.DataFrame, moment: str = "") -> pd.DataFrame:
     """The memory rows of the representative step at ``moment``: each component's own size by default (not the
     parts of the peak)."""
-    step = representative_step(memory)
+    return _rows_at(memory, representative_step(memory), moment)
+
+
+def _rows_at(memory: pd.DataFrame, step: int | None, moment: str = "") -> pd.DataFrame:
+    """``_step_rows`` of the representative ``step``, found by the caller."""
     held = T.memory_at(memory, moment) if not memory.empty else memory
     return held if step is None else held[held[T.STEP] == step]
 
 
-def _cast_copy_elements(memory: pd.DataFrame) -> float:
-    """Elements of the representative step's 16-bit activations that autocast copied from an fp32 tensor the step
-    holds anyway (``T.MOMENT_CAST_COPIES``; none in a run recorded before them): in fp32, and in a pure mode,
-    the one tensor is saved once, so those copies take nothing there."""
-    rows = _step_rows(memory, T.MOMENT_CAST_COPIES)
+def _cast_copy_elements(memory: pd.DataFrame, step: int | None) -> float:
+    """Elements of the representative ``step``'s 16-bit activations that autocast copied from an fp32 tensor the
+    step holds anyway (``T.MOMENT_CAST_COPIES``; none in a run recorded before them): in fp32, and in a pure
+    mode, the one tensor is saved once, so those copies take nothing there."""
+    rows = _rows_at(memory, step, T.MOMENT_CAST_COPIES)
     rows = rows[rows[T.MODULE].astype(str) != LOSS_SCOPE] if not rows.empty else rows
     return _elements(rows)[0] if not rows.empty else 0.0
 
@@ -209,12 +213,12 @@ def measured_components(memory: pd.DataFrame) -> dict[str, int]:
     return _components(_step_rows(memory))
 
 
-def infer_mode(memory: pd.DataFrame) -> str:
+def infer_mode(memory: pd.DataFrame, at_step: pd.DataFrame | None = None) -> str:
     """The precision mode a memory table looks like: pure when parameters are 16-bit and so are the gradients
     (a frozen 16-bit base with fp32 adapters, LoRA's usual recipe, is not pure: its gradients are fp32), autocast
     when saved activations are, else fp32 (tf32 and fp8 cannot be told apart from fp32 and bf16 by memory
-    alone)."""
-    at_step = _step_rows(memory)
+    alone). ``at_step``: the table's ``_step_rows`` where the caller has them."""
+    at_step = _step_rows(memory) if at_step is None else at_step
     if at_step.empty:
         return "fp32"
 
@@ -265,12 +269,14 @@ def _elements(rows: pd.DataFrame, floats: frozenset[str] = _MODE_FLOATS) -> tupl
     return elems, fixed
 
 
-def _run_mode(summary: Mapping[str, Any], memory: pd.DataFrame) -> tuple[str, str]:
+def _run_mode(
+    summary: Mapping[str, Any], memory: pd.DataFrame, inferred: Callable[[], str]
+) -> tuple[str, str]:
     """(the run's precision mode, where it comes from, in words): the one the profiler saw it train in
     (``capture.precision_seen``, what the report's header says) where its configuration asked for none or for
     another one the run did not train in (accelerate's fp16 on a CPU trains in fp32: the projection's measured mode
     was fp16; a float64 model's "fp64", whatever was asked: autocast leaves it alone), else its configuration's,
-    else the one its memory looks like (``infer_mode``)."""
+    else the one its memory looks like (``inferred``: ``infer_mode``)."""
     config = summary.get(T.SUMMARY_CONFIG) or {}
     asked = str(config.get("precision", "")) if isinstance(config, Mapping) else ""
     asked = asked if asked in MODES else ""
@@ -283,7 +289,7 @@ def _run_mode(summary: Mapping[str, Any], memory: pd.DataFrame) -> tuple[str, st
         )
     if asked:
         return asked, ""
-    return infer_mode(memory), " (inferred from dtypes)"
+    return inferred(), " (inferred from dtypes)"
 
 
 def _assumed_states(summary: Mapping[str, Any], n_trainable: int) -> int | None:
@@ -311,8 +317,17 @@ def project(
     if facts is None and isinstance(mem_block, Mapping):
         facts = mem_block.get("model")
     facts = dict(facts or {})
-    at_step = _step_rows(memory)
-    mode, said = _run_mode(summary, memory)
+    # the representative step, and the mode the memory looks like, found once
+    step = representative_step(memory)
+    at_step = _rows_at(memory, step)
+    looks: list[str] = []
+
+    def inferred() -> str:
+        if not looks:
+            looks.append(infer_mode(memory, at_step))
+        return looks[0]
+
+    mode, said = _run_mode(summary, memory, inferred)
 
     def comp(name: str) -> pd.DataFrame:
         return at_step[at_step[T.COMPONENT] == name] if not at_step.empty else at_step
@@ -344,17 +359,17 @@ def project(
     grad_elems = n_trainable - sparse + min(max(g_elems - (n_trainable - sparse), 0.0), sparse)
     # frozen parameters held in 16-bit beside fp32 trained ones (a bf16 base under fp32 LoRA adapters): kept as
     # measured in every mode that does not make the weights 16-bit anyway
-    frozen_low = _frozen_low_bytes(comp(T.PARAMETERS), n_params - n_trainable, infer_mode(memory))
+    frozen_low = _frozen_low_bytes(comp(T.PARAMETERS), n_params - n_trainable, inferred())
     b_elems, b_fixed = _elements(comp(T.BUFFERS), floats)
     o_elems, o_fixed = _elements(comp(T.OPTIMIZER_STATES), floats)
     m_elems, m_fixed = _elements(comp(T.MASTER_WEIGHTS), floats)
     acts = comp(T.ACTIVATIONS)
     classes: Mapping[str, str] = facts.get("module_classes") or {}
     copies_elems = _elements(comp(T.AUTOCAST_WEIGHT_COPIES))[0]
-    cast_copies = _cast_copy_elements(memory)
+    cast_copies = _cast_copy_elements(memory, step)
     matmul_numel = facts.get("matmul_weight_numel")
     # What the tensors show, which may differ from what was asked for (accelerate ignores fp16 on a CPU).
-    seen_mode = infer_mode(memory) if not at_step.empty else mode
+    seen_mode = inferred() if not at_step.empty else mode
     measured_autocast = mode in AUTOCAST_MODES and seen_mode in AUTOCAST_MODES
     measured_pure = mode in PURE_MODES and seen_mode in PURE_MODES
     inactive = (mode in AUTOCAST_MODES and not measured_autocast) or (
