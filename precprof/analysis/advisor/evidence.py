@@ -705,7 +705,7 @@ def _skipped_rows(run: _Run, frame: pd.DataFrame, scaled: bool = False) -> pd.Se
     """The rows of ``frame`` (layer or histogram rows) of an optimizer step the loss scaler skipped: every row of
     a skipped step (``_skipped_steps``), but with several optimizers under the scaler, on a step it skipped some
     of them, only the rows of those optimizers' modules (the others' stepped: their gradients trained)."""
-    skipped = _skipped_steps(run.steps, scaled)
+    skipped = run.memo(("skipped_steps", scaled), lambda: frozenset(_skipped_steps(run.steps, scaled)))
     if frame.empty or not skipped:
         return pd.Series(False, index=frame.index)
     rows = frame[T.STEP].isin(skipped)
@@ -749,7 +749,13 @@ def _steps_without_update(run: _Run) -> tuple[list[int], list[int]]:
     gradients that could tell, in step order: only in a run whose optimizer steps were seen (``weight_update``
     rows on some sampled step), from the first step its updates were read (``capture.updates_from``: an
     optimizer given later); a step the loss scaler skipped (no optimizer step by design) or a crash cut off is
-    no such step. ``prof.step()`` called once per micro-batch makes the micro-batches such steps."""
+    no such step. ``prof.step()`` called once per micro-batch makes the micro-batches such steps. Computed once
+    per run (new lists each call)."""
+    idle, told = run.memo("steps_without_update", lambda: _without_update(run))
+    return list(idle), list(told)
+
+
+def _without_update(run: _Run) -> tuple[list[int], list[int]]:
     layers = run.layers
     if layers.empty:
         return [], []

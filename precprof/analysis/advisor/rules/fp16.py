@@ -228,13 +228,9 @@ def _passed_on(run: _Run, modules: list[str]) -> dict[str, str | None]:
     scales up what its input held in fp16 (a dropout's 1/(1-p)); keeping the layer that feeds it in fp32 covers
     both (its output, and so the element-wise module, are fp32 then). That layer is the leaf module that started
     just before it on a step, and made as many values: a module called more than once was fed by several."""
-    acts = run.kind(T.ACTIVATION)
-    names = T.texts(acts[T.MODULE])
-    calls = pd.to_numeric(acts[T.CALLS], errors="coerce").groupby(names.to_numpy()).max()
-    numel = acts.groupby([T.STEP, names.rename("m")], observed=True)[T.NUMEL].sum()
-    recorded = [m for m in run.sort(set(names)) if not m.endswith(T.INPUT_SUFFIX)]
-    containers = {a for m in recorded for a in _ancestors(m)}
-    leaves = [m for m in recorded if m not in containers]
+    if not modules:
+        return {}
+    calls, numel, leaves = run.memo("passed_on", lambda: _leaf_outputs(run))
     passed: dict[str, str | None] = {}
     for m in modules:
         if taxonomy.kind_of_type(run.types.get(m, "")) != taxonomy.ELEMENTWISE or m not in leaves:
@@ -249,6 +245,18 @@ def _passed_on(run: _Run, modules: list[str]) -> dict[str, str | None]:
         same = mine is not None and numel.xs(feeder, level="m").reindex(mine.index).eq(mine).all()
         passed[m] = feeder if same else None
     return passed
+
+
+def _leaf_outputs(run: _Run) -> tuple[pd.Series, pd.Series, list[str]]:
+    """What ``_passed_on`` reads of the run's activations: each module's largest calls on a step, its output
+    elements per (step, module), and the leaf modules in forward order (a layer's own input rows left out)."""
+    acts = run.kind(T.ACTIVATION)
+    names = T.texts(acts[T.MODULE])
+    calls = pd.to_numeric(acts[T.CALLS], errors="coerce").groupby(names.to_numpy()).max()
+    numel = acts.groupby([T.STEP, names.rename("m")], observed=True)[T.NUMEL].sum()
+    recorded = [m for m in run.sort(set(names)) if not m.endswith(T.INPUT_SUFFIX)]
+    containers = {a for m in recorded for a in _ancestors(m)}
+    return calls, numel, [m for m in recorded if m not in containers]
 
 
 def _passed_said(plan: _Plan, modules: list[str]) -> str:
