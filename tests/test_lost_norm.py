@@ -246,3 +246,41 @@ def test_fp8_summary_per_layer_and_side() -> None:
     back = got.loc[("a", "backward")]
     assert math.isnan(back["norm"]) and back["pushed_tensor"] == "activation_grad" and back["steps"] == 2
     assert fp8_summary(losses.iloc[:0]).empty
+
+
+def test_zero_gradient_matches_each_update_to_its_steps_gradient() -> None:
+    """``lost_updates.zero_gradient``: an update whose gradient row of its step is zero everywhere (the first of
+    a repeated key), or that has none on a step whose backward was read while its weight has gradients on other
+    steps; keys matched as values (step 1 and 1.0 alike, a missing module with a missing one)."""
+    import pandas as pd
+
+    from precprof import tables as T
+    from precprof.analysis.lost_updates import zero_gradient
+
+    keys = [T.STEP, T.MODULE, T.PARAM]
+    grads = pd.DataFrame(
+        [
+            (0, "a", "weight", 4, 4),  # zero everywhere
+            (0, "a", "weight", 4, 0),  # a repeated key: the first counts
+            (1, "a", "weight", 4, 1),
+            (0, None, "weight", 2, 2),
+            (0, "b", "weight", 0, 0),  # no elements: not zero
+        ],
+        columns=[*keys, T.NUMEL, T.ZEROS],
+    )
+    updates = pd.DataFrame(
+        [
+            (0.0, "a", "weight"),  # its step's row is zero
+            (1.0, "a", "weight"),
+            (1.0, "b", "weight"),  # none on a read step, its weight has a row on another: skipped by it
+            (2.0, "a", "weight"),  # a step whose backward was not read
+            (0.0, "c", "weight"),  # a weight whose gradient is never read
+            (0.0, None, "weight"),  # a missing module matches a missing one
+            (0.0, "a", "bias"),
+        ],
+        columns=keys,
+        index=[10, 11, 12, 13, 14, 15, 16],
+    )
+    got = zero_gradient(grads, updates)
+    assert list(got.index) == [10, 11, 12, 13, 14, 15, 16]
+    assert got.tolist() == [True, False, True, False, False, True, False]

@@ -12,6 +12,7 @@ Pure pandas over the layers table; nothing here reads torch.
 
 from __future__ import annotations
 
+import numpy as np
 import pandas as pd
 
 from precprof import tables as T
@@ -27,10 +28,30 @@ def zero_gradient(grads: pd.DataFrame, updates: pd.DataFrame) -> pd.Series:
     backward was not read)."""
     if updates.empty or grads.empty:
         return pd.Series(False, index=updates.index)
-    zero = (grads[T.NUMEL] > 0) & (grads[T.ZEROS] == grads[T.NUMEL])
-    on_step = grads[_KEYS].assign(_zero=zero.to_numpy()).drop_duplicates(_KEYS)
-    ever = grads[_KEYS[1:]].drop_duplicates().assign(_read=True)
-    hit = updates[_KEYS].merge(on_step, on=_KEYS, how="left").merge(ever, on=_KEYS[1:], how="left")
+    zero = ((grads[T.NUMEL] > 0) & (grads[T.ZEROS] == grads[T.NUMEL])).to_numpy(dtype=bool)
+    # each row's (step, module, param) and (module, param) as integers, coded over both tables alike (as the
+    # merges on them did: a missing key matches a missing one): merges of text columns took a tenth of the
+    # advisor's lost-update rule
+    g_key, u_key = _codes(grads[T.STEP], updates[T.STEP])
+    for k in _KEYS[1:]:
+        g, u = _codes(grads[k], updates[k])
+        n = int(max(g.max(initial=0), u.max(initial=0))) + 1
+        g_key, u_key = g_key * n + g, u_key * n + u
+        if k == T.MODULE:
+            g_mp, u_mp = g, u
+        else:
+            g_mp, u_mp = g_mp * n + g, u_mp * n + u
+    # the gradient row of the update's step (the first of a repeated key), and whether its weight has any
+    keys, first = np.unique(g_key, return_index=True)
+    at = np.clip(np.searchsorted(keys, u_key), 0, len(keys) - 1)
+    found = keys[at] == u_key
+    read = np.isin(u_mp, g_mp)
     backward = updates[T.STEP].isin(grads[T.STEP].unique()).to_numpy()
-    unread = hit["_zero"].isna().to_numpy() & hit["_read"].notna().to_numpy() & backward
-    return pd.Series(hit["_zero"].eq(True).to_numpy() | unread, index=updates.index)
+    return pd.Series((found & zero[first[at]]) | (~found & read & backward), index=updates.index)
+
+
+def _codes(a: pd.Series, b: pd.Series) -> tuple[np.ndarray, np.ndarray]:
+    """The values of ``a`` and of ``b`` as integer codes over both (0: missing), as a merge would match them."""
+    codes, _ = pd.factorize(np.concatenate([a.to_numpy(dtype=object), b.to_numpy(dtype=object)]))
+    codes = codes.astype(np.int64) + 1
+    return codes[: len(a)], codes[len(a) :]
