@@ -436,7 +436,7 @@ def _text_codes(col: pd.Series, cats: pd.Index) -> np.ndarray:
     # a text column by its distinct values too (factorized: the histograms' millions of rows are hashed once,
     # not each turned into a Python string and looked up)
     codes, distinct = pd.factorize(col)
-    names = [*T.texts(pd.Series(distinct, dtype=object)).astype(object), ""]  # code -1: missing
+    names = [*(str(v) for v in distinct), ""]  # as ``T.texts`` writes them (code -1: missing)
     return cats.get_indexer(pd.Index(names, dtype=object))[codes.astype(np.int64)]
 
 
@@ -454,8 +454,10 @@ def _row_index(hist: pd.DataFrame, rows: pd.DataFrame) -> np.ndarray:
     )
     ok = key_h >= 0
     for k in (T.MODULE, T.TENSOR, T.PARAM):
-        cats = pd.Index(pd.unique(T.texts(rows[k]).astype(str).to_numpy()), dtype=object)
-        code_r, code_h = _text_codes(rows[k], cats), _text_codes(hist[k], cats)
+        # the rows' texts numbered in order of first appearance, and the histograms' by them
+        code_r, distinct = pd.factorize(T.texts(rows[k]).astype(str).to_numpy(dtype=object))
+        cats = pd.Index(distinct, dtype=object)
+        code_h = _text_codes(hist[k], cats)
         ok &= code_h >= 0
         key_r = key_r * len(cats) + code_r
         key_h = key_h * len(cats) + np.where(code_h >= 0, code_h, 0)
