@@ -318,6 +318,30 @@ class Rows:
     def lost_norm(self, recipe: str, orientation: str) -> np.ndarray:
         return self.columns.lost_norm(recipe, orientation)[self.index]
 
+    def nonzero(self) -> np.ndarray:
+        """Finite nonzero values per row, as _nonzero counts them: clipped at 0 row by row (read once: every
+        recipe and orientation of these rows reads it)."""
+        got = self._cols.get(_NONZERO)
+        if got is None:
+            got = self._cols[_NONZERO] = np.clip(
+                self.col(T.NUMEL) - self.col(T.ZEROS) - self.col(T.NAN) - self.col(T.INF), 0, None
+            )
+        return got
+
+
+_NONZERO = " nonzero"  # Rows.nonzero's entry among its columns (no column of the table is named so)
+
+
+def _median(values: np.ndarray) -> float:
+    """``np.median`` of a few values without NaN (nan for none), without its general machinery: called per
+    layer, operand and recipe."""
+    n = len(values)
+    if not n:
+        return math.nan
+    s = np.sort(values)
+    k = n // 2
+    return float(s[k]) if n % 2 else float((s[k - 1] + s[k]) / 2)
+
 
 def losses(rows: Rows, operand: str, orientation: str, gemm: str, recipe: str) -> OperandLoss | None:
     """The recipe's stats summed over ``rows`` where it was evaluated (None where it never was), and the median
@@ -333,7 +357,7 @@ def losses(rows: Rows, operand: str, orientation: str, gemm: str, recipe: str) -
         return float(rows.col(T.block_col(recipe, stat, orientation))[sel].sum())
 
     # finite nonzero values, as _nonzero counts them: clipped at 0 row by row, a row without counts skipped
-    nonzero = np.clip(rows.col(T.NUMEL) - rows.col(T.ZEROS) - rows.col(T.NAN) - rows.col(T.INF), 0, None)
+    nonzero = rows.nonzero()
     norms = rows.lost_norm(recipe, orientation)[sel]
     norms = norms[~np.isnan(norms)]
     return OperandLoss(
@@ -346,6 +370,6 @@ def losses(rows: Rows, operand: str, orientation: str, gemm: str, recipe: str) -
         total("poisoned"),
         total("sum_x2"),
         total("sum_err2"),
-        float(np.median(norms)) if len(norms) else math.nan,
+        _median(norms),
         float(np.nansum(rows.col(T.NUMEL)[sel])),
     )
