@@ -391,10 +391,25 @@ def _update_rows_and_sizes(layers: pd.DataFrame) -> tuple[pd.DataFrame, pd.Serie
         if CALLS in weights
         else pd.Series(1.0, index=weights.index)
     )
-    per_read = pd.to_numeric(weights[NUMEL], errors="coerce") / reads.clip(lower=1)
-    size = per_read.groupby([texts(weights[k]).astype(str) for k in key]).max()
-    at = pd.MultiIndex.from_arrays([texts(rows[k]).astype(str) for k in key])
-    return rows, pd.Series(size.reindex(at).to_numpy(dtype=float), index=rows.index)
+    per_read = (pd.to_numeric(weights[NUMEL], errors="coerce") / reads.clip(lower=1)).to_numpy(dtype=float)
+    # each (module, param) as an integer coded over both selections, its largest size per read by it (NaN
+    # skipped; NaN where it has none): a group-by and a reindex by text tuples took most of this
+    code_w, code_r = np.zeros(len(weights), dtype=np.int64), np.zeros(len(rows), dtype=np.int64)
+    for k in key:
+        both = np.concatenate(
+            [
+                texts(weights[k]).astype(str).to_numpy(dtype=object),
+                texts(rows[k]).astype(str).to_numpy(dtype=object),
+            ]
+        )
+        codes, distinct = pd.factorize(both)
+        code_w, code_r = (
+            code_w * len(distinct) + codes[: len(weights)],
+            code_r * len(distinct) + codes[len(weights) :],
+        )
+    size = np.full(int(max(code_w.max(initial=0), code_r.max(initial=0))) + 1, np.nan)
+    np.fmax.at(size, code_w, per_read)
+    return rows, pd.Series(size[code_r] if len(rows) else np.zeros(0), index=rows.index, dtype=float)
 
 
 def sample_weights(layers: pd.DataFrame) -> pd.Series:

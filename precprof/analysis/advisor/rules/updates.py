@@ -168,6 +168,8 @@ def _held_from(rows: pd.DataFrame, held: str | None) -> int | None:
     else. A weight whose first row is in ``held`` changed no dtype: a layer loaded in bf16 and frozen, that
     joins the optimizer mid-run (gradual unfreezing), is no switch of the run's weights."""
     dtypes = T.texts(rows[T.DTYPE]).astype(str)
+    if not (dtypes == held).any() or not ((dtypes != held) & (dtypes != "")).any():
+        return None  # no weight held in ``held``, or none in another dtype: none switched
     weights = pd.DataFrame(
         {
             "key": (
