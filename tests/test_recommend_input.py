@@ -35,3 +35,34 @@ def test_a_target_that_is_no_preset_name_or_hardwareinfo_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown hardware target 'h1000'"):
         precprof.recommend(tables, hardware="h1000")
     assert precprof.recommend(tables, hardware="v100").format == "fp16"
+
+
+def test_an_empty_table_is_a_fresh_one_each_time_and_a_runs_memo_is_its_own() -> None:
+    """``tables.empty`` copies one frame built once: what a caller adds to one never reaches the next. What the
+    advisor computes once per run (``_Run.memo``) is computed once per run and key, and a second run computes
+    its own (a user's two runs in one process share nothing)."""
+    from precprof import hardware as hw
+    from precprof.analysis.advisor import AdvisorConfig
+    from precprof.analysis.advisor.evidence import _prepare, _Run
+
+    first = T.empty("layers")
+    first["added"] = 1
+    assert "added" not in T.empty("layers") and list(T.empty("layers").columns) == list(T.TABLES["layers"])
+
+    def run() -> _Run:
+        layers, hist, steps = _prepare({})
+        return _Run(
+            layers,
+            hist,
+            steps,
+            {},
+            hw.preset("cpu"),
+            False,
+            AdvisorConfig(),
+        )
+
+    calls: list[int] = []
+    a, b = run(), run()
+    assert a.memo("k", lambda: calls.append(1) or 1) == 1 and a.memo("k", lambda: calls.append(2) or 2) == 1
+    assert b.memo("k", lambda: calls.append(3) or 3) == 3
+    assert calls == [1, 3]
