@@ -115,7 +115,14 @@ def fp8_losses(run: _Run, modules: list[str], inputs: Mapping[str, list[str]]) -
     rows = rows.assign(**{k: T.texts(rows[k]).astype(object) for k in (T.MODULE, T.TENSOR, T.PARAM)})
     # one row per tensor and step (a table merged from ranks may repeat one): counts add, amax is the largest
     agg = {c: "sum" for c in (T.CALLS, T.NUMEL, T.ZEROS, T.NAN, T.INF, e4, e5)}
-    rows = rows.groupby(keys, sort=False).agg({**agg, T.ABSMAX: "max"}).reset_index()
+    numeric = all(rows[c].dtype.kind in "iuf" for c in [*agg, T.ABSMAX])
+    if numeric and not rows[T.STEP].hasnans and not rows.duplicated(keys).any():
+        # each key once (a single rank's table): what the group-by gives, a sum of one value, NaN as 0
+        rows = rows[[*keys, *agg, T.ABSMAX]].fillna({c: 0 for c in agg}).reset_index(drop=True)
+        # (its keys typed as the group-by's index makes them)
+        rows = rows.assign(**{k: pd.Index(rows[k].to_numpy(dtype=object)) for k in keys[1:]})
+    else:
+        rows = rows.groupby(keys, sort=False).agg({**agg, T.ABSMAX: "max"}).reset_index()
     is_grad = (rows[T.TENSOR] == T.ACTIVATION_GRAD).to_numpy()
     amax = pd.to_numeric(rows[T.ABSMAX], errors="coerce").to_numpy(dtype=float)
     limit = np.where(
