@@ -368,14 +368,24 @@ def _prepare(tables: Mapping[str, pd.DataFrame]) -> tuple[pd.DataFrame, pd.DataF
     # shallow copies: frame() may add missing columns, which must not reach the caller's tables; every column
     # changed below is assigned anew (a deep copy of a thousand sampled steps' rows took seconds)
     layers = T.frame("layers", _table(tables, "layers").copy(deep=False))
+    # (a column already as it should be is not assigned again: each assignment makes a block of its own, and a
+    # table of a hundred blocks is slow to select rows from; a dropna of nothing copied every row)
     for c in _NUMERIC_LAYER_COLS:
-        layers[c] = _numeric(layers[c])
-    layers = layers.dropna(subset=[T.STEP]).reset_index(drop=True)
+        col = layers[c]
+        if (got := _numeric(col)) is not col:
+            layers[c] = got
+    if layers[T.STEP].hasnans:
+        layers = layers.dropna(subset=[T.STEP])
+    layers = layers.reset_index(drop=True)
     # (a weight_update row's what-if counts stay NaN: not measured, ``T.WHATIF_COUNT_COLUMNS``)
     measured = T.texts(layers[T.TENSOR]) != T.WEIGHT_UPDATE
     for c in T.COUNT_COLUMNS:
-        layers[c] = layers[c].where(layers[c].notna() | ~measured, 0) if c in _WHATIF else layers[c].fillna(0)
-    layers[T.SCALE] = layers[T.SCALE].fillna(1.0)
+        if layers[c].hasnans:
+            layers[c] = (
+                layers[c].where(layers[c].notna() | ~measured, 0) if c in _WHATIF else layers[c].fillna(0)
+            )
+    if layers[T.SCALE].hasnans:
+        layers[T.SCALE] = layers[T.SCALE].fillna(1.0)
     for c in (T.MODULE, T.MODULE_TYPE, T.TENSOR, T.PARAM, T.DTYPE):
         layers[c] = T.texts(layers[c])
     hist = T.frame("histograms", _table(tables, "histograms").copy(deep=False))
