@@ -1310,6 +1310,31 @@ def test_filters() -> None:
     )
 
 
+def test_row_helpers_write_what_the_macros_wrote() -> None:
+    """``dotted``, ``share_cells`` and ``tr`` (Python, for the long tables' thousands of rows) write what the
+    template macros and per-cell filters they replaced wrote, escaping what is user data."""
+    env = render.environment()
+    macros = env.from_string(
+        '{% macro dotted(name) %}{% for part in name.split(".") %}{{ part }}{% if not loop.last %}.<wbr>'
+        "{% endif %}{% endfor %}{% endmacro %}"
+        '{% macro tr(loop, cls="") %}{% set c = (cls ~ (" extra" if loop.index > first_rows else "")) | trim %}'
+        '<tr{% if c %} class="{{ c }}"{% endif %}>{% endmacro %}'
+        "{% for n in names %}{{ dotted(n) }}|{{ tr(loop) }}{{ tr(loop, ' own') }}"
+        '{% for s in shares %}<td class="{{ s | share_class }}" data-v="{{ s | sortkey }}">{{ s | pct }}</td>'
+        "{% endfor %}#{% endfor %}"
+    )
+    helpers = env.from_string(
+        "{% for n in names %}{{ n | dotted }}|{{ tr(loop) }}{{ tr(loop, ' own') }}{{ shares | share_cells }}#"
+        "{% endfor %}"
+    )
+    names = ["model.h.0.<b>&x", "", "lm_head"] + [f"m{i}" for i in range(render.FIRST_ROWS)]
+    shares = [0.0, 1e-9, 2e-4, 0.5, math.nan, None, math.inf]
+    page = macros.render(names=names, shares=shares)
+    assert helpers.render(names=names, shares=shares) == page
+    assert 'model.<wbr>h.<wbr>0.<wbr>&lt;b&gt;&amp;x|<tr><tr class="own">' in page
+    assert '<tr class="extra"><tr class="own extra">' in page and "&lt;0.0001%" in page
+
+
 @pytest.mark.parametrize("unit", [0, 1, 2, 3, 4])
 def test_byte_sizes_near_a_thousand_of_a_unit_read_as_numbers(unit: int) -> None:
     """1000 to 1023 of a unit printed as "1e+03 KiB" and "1.01e+03 MiB" (3 significant digits in ``.3g``). Every

@@ -283,3 +283,34 @@ def type_name(v: Any) -> Markup:
 
 
 FILTERS["type_name"] = type_name
+
+
+def dotted(v: Any) -> Markup:
+    """A dotted module name that may wrap after each dot (``<wbr>``), never inside a part; each part escaped.
+    A filter, not a macro: the per-layer tables call it in each of their thousands of rows."""
+    return Markup(".<wbr>").join(escape(p) for p in str(v).split("."))
+
+
+FILTERS["dotted"] = dotted
+
+
+def share_cells(shares: Sequence[Any]) -> Markup:
+    """The cells of a what-if row's lost shares: each with its ``share_class``, its ``sortkey`` and its ``pct``
+    (one filter call per row: the per-layer what-if table has a dozen of them in each of thousands of rows)."""
+    return Markup(
+        "".join(
+            f'<td class="{escape(share_class(s))}" data-v="{escape(sortkey(s))}">{escape(pct(s))}</td>'
+            for s in shares
+        )
+    )
+
+
+FILTERS["share_cells"] = share_cells
+
+
+def row_open(loop: Any, cls: str = "", *, first_rows: int) -> Markup:
+    """The ``<tr>`` of a long table's row (class "long"): past the first ``first_rows`` it is marked "extra" from
+    the start, which the page hides where its script runs (the button shows the rest); ``cls``: the row's own
+    classes. ``loop``: the template's loop (its 1-based ``index``)."""
+    c = (str(cls) + (" extra" if loop.index > first_rows else "")).strip()
+    return Markup(f'<tr class="{escape(c)}">') if c else Markup("<tr>")

@@ -80,6 +80,8 @@ def _environment(folder: str) -> jinja2.Environment:
     env.globals["finding_numbers"] = numbers.shown
     env.globals["format_colors_css"] = format_colors_css()
     env.globals["first_rows"] = FIRST_ROWS
+    # a long table's <tr>, marked "extra" past the first rows (a function: a macro per row of thousands is slow)
+    env.globals["tr"] = functools.partial(filters.row_open, first_rows=FIRST_ROWS)
     env.globals["more_rows"] = MORE_ROWS
     return env
 
