@@ -44,6 +44,7 @@ from precprof.report import (
     render_report,
     render_run_dir,
     templates_dir,
+    timeline,
 )
 from precprof.report import memory_summary as M
 from precprof.report import numbers as report_numbers
@@ -1333,6 +1334,29 @@ def test_row_helpers_write_what_the_macros_wrote() -> None:
     assert helpers.render(names=names, shares=shares) == page
     assert 'model.<wbr>h.<wbr>0.<wbr>&lt;b&gt;&amp;x|<tr><tr class="own">' in page
     assert '<tr class="extra"><tr class="own extra">' in page and "&lt;0.0001%" in page
+
+
+def test_orders_and_sample_weights_read_once_give_what_each_reads_itself() -> None:
+    """The page reads the forward order and the update rows' sample weights once and hands them to the tables,
+    the heatmaps and the timeline: each gives what it gives reading them itself."""
+    tabs, summary = synthetic_run("bf16", layers=gpt_layers(n_layer=1), steps=3, sample_every=1)
+    layers, shared = tabs["layers"], T.shared_params(summary)
+    order, weights = S.forward_order(layers, shared), T.sample_weights(layers)
+    assert order and len(weights) and timeline.update_format(layers, "bf16") == "bf16"
+    assert repr(S.layer_records(layers, shared, None, order, weights)) == repr(
+        S.layer_records(layers, shared)
+    )
+    pd.testing.assert_frame_equal(S.whatif_by_layer(layers, shared, order), S.whatif_by_layer(layers, shared))
+    hist = T.sum_histogram_frame(tabs["histograms"])
+    for kind in S.HIST_KINDS:
+        a, b = (
+            S.heatmap_matrix(hist, layers, kind, shared, order),
+            S.heatmap_matrix(hist, layers, kind, shared),
+        )
+        assert a[0] == b[0] and np.array_equal(a[1], b[1]) and np.array_equal(a[2], b[2])
+    pd.testing.assert_frame_equal(
+        timeline.lost_by_step(layers, "fp16", weights), timeline.lost_by_step(layers, "fp16")
+    )
 
 
 @pytest.mark.parametrize("unit", [0, 1, 2, 3, 4])

@@ -61,14 +61,17 @@ def forward_order(layers: pd.DataFrame, shared: Mapping[str, Any] | None = None)
 
 
 def row_order(
-    layers: pd.DataFrame, kind: str, shared: Mapping[str, Any] | None = None
+    layers: pd.DataFrame,
+    kind: str,
+    shared: Mapping[str, Any] | None = None,
+    order: Sequence[str] | None = None,
 ) -> list[tuple[str, str]]:
-    """(module, param) rows of tensor kind ``kind`` in forward order (``forward_order``); params in order of
-    first appearance."""
+    """(module, param) rows of tensor kind ``kind`` in forward order (``forward_order``, or ``order`` where the
+    caller has it: a page reads it in six places); params in order of first appearance."""
     sub = layers.loc[layers[T.TENSOR] == kind, [T.MODULE, T.PARAM]]  # the columns it reads: a narrow copy
     if sub.empty:
         return []
-    rank = {m: i for i, m in enumerate(forward_order(layers, shared))}
+    rank = {m: i for i, m in enumerate(forward_order(layers, shared) if order is None else order)}
     # a few hundred distinct rows, as plain text: a categorical would map to a categorical and sort by its codes
     keys = sub[[T.MODULE, T.PARAM]].apply(T.texts).drop_duplicates().astype(object)
     keys = keys.assign(_r=keys[T.MODULE].map(rank).fillna(len(rank)), _i=np.arange(len(keys)))
@@ -112,13 +115,18 @@ def scale_in_effect(layers: pd.DataFrame, kind: str) -> dict[str, float]:
 
 
 def heatmap_matrix(
-    histograms: pd.DataFrame, layers: pd.DataFrame, kind: str, shared: Mapping[str, Any] | None = None
+    histograms: pd.DataFrame,
+    layers: pd.DataFrame,
+    kind: str,
+    shared: Mapping[str, Any] | None = None,
+    order: Sequence[str] | None = None,
 ) -> tuple[list[tuple[str, str]], np.ndarray, np.ndarray]:
     """Rows (module, param) in forward order, exponents, and counts[row, exponent] summed over sampled steps.
 
-    ``histograms``: the histograms table, or its ``tables.sum_histogram_frame`` (faster when called per kind)."""
+    ``histograms``: the histograms table, or its ``tables.sum_histogram_frame`` (faster when called per kind).
+    ``order``: ``forward_order(layers, shared)`` where the caller has it."""
     h = histograms[histograms[T.TENSOR] == kind]
-    rows = row_order(layers, kind, shared)
+    rows = row_order(layers, kind, shared, order)
     if h.empty:
         return rows, np.zeros(0, dtype=np.int64), np.zeros((len(rows), 0))
     # rows seen only in the histograms (older runs without layer rows) go last, in order of appearance
@@ -265,7 +273,9 @@ def computed_weights_as_weights(sub: pd.DataFrame) -> pd.DataFrame:
     return sub.assign(**{T.TENSOR: tensor.fillna(sub[T.TENSOR].astype(object))})
 
 
-def whatif_by_layer(layers: pd.DataFrame, shared: Mapping[str, Any] | None = None) -> pd.DataFrame:
+def whatif_by_layer(
+    layers: pd.DataFrame, shared: Mapping[str, Any] | None = None, order: Sequence[str] | None = None
+) -> pd.DataFrame:
     """Per (module, tensor kind): numel and the share of values lost in each what-if format.
 
     Columns: module, module_type, tensor, numel, ``SCALE_MIN`` and ``SCALE_MAX`` (the lowest and the highest loss
@@ -274,7 +284,7 @@ def whatif_by_layer(layers: pd.DataFrame, shared: Mapping[str, Any] | None = Non
     2^23 alone had a reader lower a scale that already worked), then one share column per entry of
     ``whatif_columns()`` (same names as the count columns; values are shares in [0, 1], NaN without data, and
     NaN in FP8's columns at the loss scale where it was not 1: ``_shares``), then ``NONFINITE`` (the share of
-    values already nan or inf).
+    values already nan or inf). ``order``: ``forward_order(layers, shared)`` where the caller has it.
     """
     count_cols = [c for c, _, _ in whatif_columns()]
     sub = layers.loc[
@@ -294,7 +304,7 @@ def whatif_by_layer(layers: pd.DataFrame, shared: Mapping[str, Any] | None = Non
     at = pd.MultiIndex.from_frame(out[[T.MODULE, T.TENSOR]])
     out[SCALE_MIN] = rng["min"].reindex(at).to_numpy()
     out[SCALE_MAX] = rng["max"].reindex(at).to_numpy()
-    rank = {m: i for i, m in enumerate(forward_order(layers, shared))}
+    rank = {m: i for i, m in enumerate(forward_order(layers, shared) if order is None else order)}
     kind_rank = {k: i for i, k in enumerate(HIST_KINDS)}
     out = out.assign(_r=out[T.MODULE].map(rank), _k=out[T.TENSOR].map(kind_rank))
     out = out.sort_values(["_r", "_k"]).drop(columns=["_r", "_k"]).reset_index(drop=True)
@@ -360,6 +370,8 @@ def layer_records(
     layers: pd.DataFrame,
     shared: Mapping[str, Any] | None = None,
     frozen: Mapping[str, Sequence[str]] | None = None,
+    order: Sequence[str] | None = None,
+    weights: pd.Series | None = None,
 ) -> list[dict[str, Any]]:
     """One record per module, forward order: type, dtypes, extreme magnitudes, fp16/bf16 losses, first nan/inf.
 
@@ -382,11 +394,12 @@ def layer_records(
     parameters shared with another are recorded under, ``shared``: a head tied to its embedding has "emb"; ""
     when none), frozen (its parameters that do not train, ``frozen``: the capture's ``T.frozen_params``).
     A tied head's weight and a frozen layer's gradient have no rows of their own: without these two keys its
-    row read as a layer without parameters.
+    row read as a layer without parameters. ``order`` and ``weights``: ``forward_order(layers, shared)`` and
+    ``tables.sample_weights(layers)`` where the caller has them.
     """
     if layers.empty:
         return []
-    order = forward_order(layers, shared)
+    order = forward_order(layers, shared) if order is None else list(order)
     df = layers[[T.STEP, T.MODULE, T.MODULE_TYPE, T.TENSOR, T.PARAM, T.DTYPE]].copy()
     num_cols = [T.NUMEL, T.ZEROS, T.NAN, T.INF, T.ABSMAX, T.ABSMIN, *LOST_UPDATE_COLUMNS.values()]
     count_cols = [c for f in ("fp16", "bf16") for c in (T.underflow_col(f), T.overflow_col(f))]
@@ -402,7 +415,7 @@ def layer_records(
     sums = hist.groupby(T.MODULE, sort=False, observed=True)[[T.NUMEL, T.ZEROS, *count_cols]].sum(min_count=1)
     totals = {c: _by_key(sums[c]) for c in (T.NUMEL, T.ZEROS, *count_cols)}
     types = _by_key(df.drop_duplicates(T.MODULE).set_index(T.MODULE)[T.MODULE_TYPE])
-    weights = T.sample_weights(layers)
+    weights = T.sample_weights(layers) if weights is None else weights
     lost = {fmt: _lost_update_shares(df, col, weights) for fmt, col in LOST_UPDATE_COLUMNS.items()}
     ratios = update_ratio.layer_ratios(layers)
     left_out = update_ratio.nonfinite_steps(layers)

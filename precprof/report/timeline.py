@@ -79,7 +79,9 @@ def update_format(layers: pd.DataFrame, fmt: str = FORMAT) -> str:
     has a lost-update count for it."""
     if layers.empty or T.TENSOR not in layers:
         return ""
-    upd = layers[layers[T.TENSOR] == T.WEIGHT_UPDATE]
+    # the columns it reads: a narrow copy (all of a large run's hundred columns took ~12 ms a call)
+    read = [c for c in (T.DTYPE, T.LOST_UPDATE_BF16, T.LOST_UPDATE_FP16) if c in layers]
+    upd = layers.loc[layers[T.TENSOR] == T.WEIGHT_UPDATE, read]
     held = fmt
     if T.DTYPE in upd and not upd.empty:
         for f in ("bf16", "fp16"):
@@ -95,14 +97,14 @@ def update_format(layers: pd.DataFrame, fmt: str = FORMAT) -> str:
     return held
 
 
-def lost_by_step(layers: pd.DataFrame, fmt: str = FORMAT) -> pd.DataFrame:
+def lost_by_step(layers: pd.DataFrame, fmt: str = FORMAT, weights: pd.Series | None = None) -> pd.DataFrame:
     """Per (step, tensor kind): values lost in ``fmt`` at the recorded scale (underflow, overflow, and values
     already inf/nan) and values seen, summed over the step's rows. Weight-update rows count instead the updates
     lost in ``update_format``'s weights, and those already inf/nan, over the intended updates (numel - zeros), of
     the weights with a training gradient on their step (``lost_updates.zero_gradient``), each parameter's sampled
     counts at its size (``tables.sample_weights``: an estimate of the model's updates, not the sample's); a run
     without lost-update counts for those weights has no weight-update row (its what-if counts of ``fmt`` are not
-    measured: NaN)."""
+    measured: NaN). ``weights``: ``tables.sample_weights(layers)`` where the caller has it."""
     cols = [T.underflow_col(fmt), T.overflow_col(fmt), T.NAN, T.INF]
     if layers.empty or any(c not in layers for c in [*cols, T.NUMEL]):
         return pd.DataFrame(columns=[T.STEP, T.TENSOR, "lost", T.NUMEL])
@@ -118,10 +120,14 @@ def lost_by_step(layers: pd.DataFrame, fmt: str = FORMAT) -> pd.DataFrame:
         zeros = pd.to_numeric(layers[T.ZEROS], errors="coerce").fillna(0) if T.ZEROS in layers else 0
         lost_upd = pd.to_numeric(layers[col], errors="coerce").fillna(0) + num[T.NAN] + num[T.INF]
         # a weight without a training gradient on its step counts nothing, as in the advisor's share
-        idle = lost_updates.zero_gradient(layers[layers[T.TENSOR] == T.WEIGHT_GRAD], layers[is_upd])
+        # what zero_gradient reads, as narrow copies (not all of a large run's hundred columns)
+        keys = [c for c in (T.STEP, T.MODULE, T.PARAM, T.NUMEL, T.ZEROS) if c in layers]
+        idle = lost_updates.zero_gradient(
+            layers.loc[layers[T.TENSOR] == T.WEIGHT_GRAD, keys], layers.loc[is_upd, keys]
+        )
         kept = ~idle.reindex(layers.index, fill_value=False)
         # each parameter's sampled counts at its size, as the advisor's share counts them
-        w = T.sample_weights(layers).reindex(layers.index, fill_value=1.0)
+        w = (T.sample_weights(layers) if weights is None else weights).reindex(layers.index, fill_value=1.0)
         lost = lost.where(~is_upd, lost_upd * w).where(kept, 0)
         seen = seen.where(~is_upd, (seen - zeros).clip(lower=0) * w).where(kept, 0)
     out = pd.DataFrame(
@@ -135,9 +141,12 @@ def lost_by_step(layers: pd.DataFrame, fmt: str = FORMAT) -> pd.DataFrame:
     return out.groupby([T.STEP, T.TENSOR], sort=True)[["lost", T.NUMEL]].sum().reset_index()
 
 
-def timeline(layers: pd.DataFrame, max_columns: int = MAX_COLUMNS, fmt: str = FORMAT) -> Timeline | None:
-    """The columns of the time axis (module docstring); None without sampled steps."""
-    per = lost_by_step(layers, fmt)
+def timeline(
+    layers: pd.DataFrame, max_columns: int = MAX_COLUMNS, fmt: str = FORMAT, weights: pd.Series | None = None
+) -> Timeline | None:
+    """The columns of the time axis (module docstring); None without sampled steps. ``weights``:
+    ``tables.sample_weights(layers)`` where the caller has it (``lost_by_step``)."""
+    per = lost_by_step(layers, fmt, weights)
     if per.empty:
         return None
     kinds = [k for k in T.TENSOR_KINDS if (per[T.TENSOR] == k).any()]

@@ -4,7 +4,7 @@ naming the windows, and a side panel of what each row loses."""
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -414,6 +414,7 @@ def signature_heatmap(
     max_rows: int = 90,
     focus: str = "fp16",
     shared: Mapping[str, Any] | None = None,
+    order: Sequence[str] | None = None,
 ) -> Heatmap | None:
     """Layers (rows, forward order) by log2 |value| (columns) for one tensor kind, with format windows on top,
     drawn for the page's narrowest width (``FIG_WIDTH_PX``).
@@ -424,11 +425,12 @@ def signature_heatmap(
     loss scale of the last sampled step for gradients; a window beyond the range drawn is named in the strip.
     Right panel: share of the row's values lost in the ``focus`` format ("fp16" at the recorded scales, or
     "fp8" under current scaling). With more than ``max_rows`` rows, the rows that lose the most there are shown.
-    ``shared``: the capture's ``shared_params``, which place a never-running weight owner (``forward_order``).
+    ``shared``: the capture's ``shared_params``, which place a never-running weight owner (``forward_order``);
+    ``order``: ``summarize.forward_order(layers, shared)`` where the caller has it.
     """
     if focus not in FOCUS_FORMATS:
         raise ValueError(f"focus must be one of {', '.join(FOCUS_FORMATS)}, not {focus!r}")
-    rows, exps, mat = S.heatmap_matrix(histograms, layers, kind, shared)
+    rows, exps, mat = S.heatmap_matrix(histograms, layers, kind, shared, order)
     if not rows or mat.size == 0 or mat.sum() <= 0:
         return None
     lost = lost_in_focus(layers, kind, focus)
