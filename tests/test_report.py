@@ -1337,8 +1337,8 @@ def test_row_helpers_write_what_the_macros_wrote() -> None:
 
 
 def test_orders_and_sample_weights_read_once_give_what_each_reads_itself() -> None:
-    """The page reads the forward order and the update rows' sample weights once and hands them to the tables,
-    the heatmaps and the timeline: each gives what it gives reading them itself."""
+    """The page reads the forward order, the update rows' sample weights and the what-if's rows once and hands
+    them to the tables, the heatmaps and the timeline: each gives what it gives reading them itself."""
     tabs, summary = synthetic_run("bf16", layers=gpt_layers(n_layer=1), steps=3, sample_every=1)
     layers, shared = tabs["layers"], T.shared_params(summary)
     order, weights = S.forward_order(layers, shared), T.sample_weights(layers)
@@ -1346,7 +1346,11 @@ def test_orders_and_sample_weights_read_once_give_what_each_reads_itself() -> No
     assert repr(S.layer_records(layers, shared, None, order, weights)) == repr(
         S.layer_records(layers, shared)
     )
-    pd.testing.assert_frame_equal(S.whatif_by_layer(layers, shared, order), S.whatif_by_layer(layers, shared))
+    counted = S.whatif_rows(layers)
+    pd.testing.assert_frame_equal(
+        S.whatif_by_layer(layers, shared, order, counted), S.whatif_by_layer(layers, shared)
+    )
+    pd.testing.assert_frame_equal(S.whatif_overview(layers, counted), S.whatif_overview(layers))
     hist = T.sum_histogram_frame(tabs["histograms"])
     for kind in S.HIST_KINDS:
         a, b = (

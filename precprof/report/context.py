@@ -552,7 +552,8 @@ def _whatif(
             "underflow_cs": "underflow, current scaling",
         }[what]
         headers.append({"col": col, "format": fmt, "label": label, "what": sub, "full": f"{label} {sub}"})
-    by_layer = S.whatif_by_layer(layers, T.shared_params(summary), order)
+    counted = S.whatif_rows(layers)  # the rows both tables count, selected once
+    by_layer = S.whatif_by_layer(layers, T.shared_params(summary), order, counted)
     rows = []
     for r in by_layer.to_dict("records"):
         rows.append(
@@ -569,7 +570,7 @@ def _whatif(
             }
         )
     overview = []
-    for r in S.whatif_overview(layers).to_dict("records"):
+    for r in S.whatif_overview(layers, counted).to_dict("records"):
         overview.append(
             {
                 "kind": S.KIND_LABELS.get(str(r[T.TENSOR]), str(r[T.TENSOR])),

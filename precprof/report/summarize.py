@@ -273,8 +273,23 @@ def computed_weights_as_weights(sub: pd.DataFrame) -> pd.DataFrame:
     return sub.assign(**{T.TENSOR: tensor.fillna(sub[T.TENSOR].astype(object))})
 
 
+def whatif_rows(layers: pd.DataFrame) -> pd.DataFrame:
+    """The rows the what-if tables count (``whatif_by_layer``, ``whatif_overview``): the kinds with histograms,
+    the columns the tables read, a weight a parametrization computes among the weights
+    (``computed_weights_as_weights``). Selected once for both tables of a page."""
+    count_cols = [c for c, _, _ in whatif_columns()]
+    sub = layers.loc[
+        layers[T.TENSOR].isin(HIST_KINDS),
+        [T.STEP, T.MODULE, T.MODULE_TYPE, T.TENSOR, T.SCALE, T.NUMEL, T.NAN, T.INF, *count_cols],
+    ]
+    return computed_weights_as_weights(sub)
+
+
 def whatif_by_layer(
-    layers: pd.DataFrame, shared: Mapping[str, Any] | None = None, order: Sequence[str] | None = None
+    layers: pd.DataFrame,
+    shared: Mapping[str, Any] | None = None,
+    order: Sequence[str] | None = None,
+    rows: pd.DataFrame | None = None,
 ) -> pd.DataFrame:
     """Per (module, tensor kind): numel and the share of values lost in each what-if format.
 
@@ -284,14 +299,11 @@ def whatif_by_layer(
     2^23 alone had a reader lower a scale that already worked), then one share column per entry of
     ``whatif_columns()`` (same names as the count columns; values are shares in [0, 1], NaN without data, and
     NaN in FP8's columns at the loss scale where it was not 1: ``_shares``), then ``NONFINITE`` (the share of
-    values already nan or inf). ``order``: ``forward_order(layers, shared)`` where the caller has it.
+    values already nan or inf). ``order`` and ``rows``: ``forward_order(layers, shared)`` and
+    ``whatif_rows(layers)`` where the caller has them.
     """
     count_cols = [c for c, _, _ in whatif_columns()]
-    sub = layers.loc[
-        layers[T.TENSOR].isin(HIST_KINDS),
-        [T.STEP, T.MODULE, T.MODULE_TYPE, T.TENSOR, T.SCALE, T.NUMEL, T.NAN, T.INF, *count_cols],
-    ]
-    sub = computed_weights_as_weights(sub)
+    sub = whatif_rows(layers) if rows is None else rows
     cols = [T.MODULE, T.MODULE_TYPE, T.TENSOR, T.NUMEL, SCALE_MIN, SCALE_MAX, *count_cols, NONFINITE]
     if sub.empty:
         return pd.DataFrame(columns=cols)
@@ -311,13 +323,13 @@ def whatif_by_layer(
     return out[cols]
 
 
-def whatif_overview(layers: pd.DataFrame) -> pd.DataFrame:
+def whatif_overview(layers: pd.DataFrame, rows: pd.DataFrame | None = None) -> pd.DataFrame:
     """Per tensor kind (rows) the share lost in each what-if column, over all layers and sampled steps (FP8's
     columns at the loss scale NaN for a kind recorded at a scale other than 1: ``_shares``); a weight a
-    parametrization computes among the weights (``computed_weights_as_weights``); then ``NONFINITE``."""
+    parametrization computes among the weights (``computed_weights_as_weights``); then ``NONFINITE``.
+    ``rows``: ``whatif_rows(layers)`` where the caller has it."""
     count_cols = [c for c, _, _ in whatif_columns()]
-    cols = [T.MODULE, T.MODULE_TYPE, T.TENSOR, T.SCALE, T.NUMEL, T.NAN, T.INF, *count_cols]
-    sub = computed_weights_as_weights(layers.loc[layers[T.TENSOR].isin(HIST_KINDS), cols])
+    sub = whatif_rows(layers) if rows is None else rows
     if sub.empty:
         return pd.DataFrame(columns=[T.TENSOR, T.NUMEL, *count_cols, NONFINITE])
     out = _shares(sub, [T.TENSOR], count_cols)
