@@ -8,12 +8,13 @@ for. The child is a process of its own, as a fresh Python is: its own pid, signa
 (``sys.exit``'s, 1 after an uncaught exception, -SIGNUM when a signal ended it, -2 after an uncaught
 KeyboardInterrupt), its own stdin/stdout/stderr (pipes, as ``subprocess.PIPE`` makes), environment, working
 directory, ``sys.argv`` and ``sys.path[0]``; the interpreter's own end (atexit, the wait for its threads). What
-differs from a fresh Python: torch, precprof's package and the libraries of ``_PRELOAD`` are imported before the
-command runs (a test of what happens while they load starts a real Python), the random seeds of hash() and numpy
-are the server's, and torch's C++ log level (``TORCH_CPP_LOG_LEVEL``, read as torch loads) is ERROR where the
-child's environment names none, as ``python -m precprof`` sets it before it loads torch: one server serves the
-commands and the scripts of a worker (a second cost 3-4 s of CPU), and a script's child prints none of c10's C++
-warnings (Python's warnings it does).
+differs from a fresh Python: torch, precprof's package and the modules of ``_PRELOAD`` (pandas, Arrow, precprof's
+commands) are imported before the command runs (a test of what happens while they load starts a real Python),
+Arrow's allocator runs without its background thread, the random seeds of hash() and numpy are the server's, and
+torch's C++ log level (``TORCH_CPP_LOG_LEVEL``, read as torch loads) is ERROR where the child's environment names
+none, as ``python -m precprof`` sets it before it loads torch: one server serves the commands and the scripts of a
+worker (a second cost 3-4 s of CPU), and a script's child prints none of c10's C++ warnings (Python's warnings it
+does).
 
 ``popen`` and ``run`` take ``subprocess.Popen``'s and ``subprocess.run``'s arguments; a command they cannot start
 as a fork (not ``sys.executable`` with ``-m``, ``-c`` or a script, an interpreter option, or an environment that
@@ -35,6 +36,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -81,11 +83,14 @@ def _import_env(env: dict[str, str]) -> tuple[tuple[str, str], ...]:
 
 
 # ------------------------------------------------------------------------------------------------ the server
-# Imported by the server after torch and precprof: the libraries of precprof's commands and pages that start no
-# thread as they load (pandas does: Arrow's allocator), 0.5 s of CPU less in each child that reports or runs a
-# command. Each reads its settings from the environment (a server's own: see ``_import_env``) or when used,
-# except matplotlib, which reads a ``matplotlibrc`` in the working directory as it loads: the server's, never
-# a child's (no test writes one).
+# Imported by the server after torch and precprof: the libraries of precprof's commands and pages and precprof's
+# own modules that import them (0.6-0.7 s of CPU less in each child that trains, reports or runs a command). Each
+# reads its settings from the environment (a server's own: see ``_import_env``) or when used, except matplotlib,
+# which reads a ``matplotlibrc`` in the working directory as it loads: the server's, never a child's (no test writes
+# one). None starts a thread but Arrow's allocator (jemalloc, loaded with pandas), whose background thread a fork
+# may leave behind (``_threads``): jemalloc's own fork handlers take its locks around the fork, and a child runs with
+# its background threads off, as ``JE_ARROW_MALLOC_CONF=background_thread:false`` would (unused memory is handed
+# back as the allocator works, not by a thread of its own).
 _PRELOAD = (
     "matplotlib",
     "matplotlib.pyplot",
@@ -95,12 +100,27 @@ _PRELOAD = (
     "rich.console",
     "PIL.Image",
     "tqdm",
+    "pandas",
+    "pyarrow.parquet",
+    "precprof.cli",
+    "precprof.capture",
+    "precprof.training",
+    "precprof.pipeline",
+    "precprof.report.render",
+    "precprof.stream_child",
 )
+# threads a fork may leave behind: their library's fork handlers make the child whole without them
+_FORK_SAFE_THREADS = {"jemalloc_bg_thd"}
 
 
 def _threads() -> int:
+    """This process's native threads, less those of ``_FORK_SAFE_THREADS``."""
     try:
-        return len(os.listdir("/proc/self/task"))  # native threads too (Arrow's allocator starts one)
+        names = []
+        for task in os.listdir("/proc/self/task"):
+            with contextlib.suppress(OSError), open(f"/proc/self/task/{task}/comm") as f:
+                names.append(f.read().strip())
+        return sum(name not in _FORK_SAFE_THREADS for name in names)
     except OSError:
         return 0  # cannot tell: no fork
 
@@ -111,7 +131,7 @@ def _serve(sock: socket.socket) -> dict[str, Any]:
 
     import precprof  # noqa: F401
 
-    for name in _PRELOAD:  # what every command and report imports next, where it starts no thread
+    for name in _PRELOAD:  # what every command and report imports next
         with contextlib.suppress(ImportError):
             __import__(name)
     # the imports' objects (some 300,000) out of the collector's reach in every child, as in the tests' own
@@ -121,6 +141,8 @@ def _serve(sock: socket.socket) -> dict[str, Any]:
     gc.collect()
     gc.freeze()
     torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)  # (imports torch._dynamo)
+    # (Python 3.12 on warns of a fork beside any other thread; jemalloc's is safe: see _PRELOAD)
+    warnings.filterwarnings("ignore", r"This process .* is multi-threaded", DeprecationWarning)
     # woken by a child's end (SIGCHLD, through the wakeup pipe) or a request, never polling
     woken, wake = os.pipe()
     os.set_blocking(wake, False)
