@@ -33,7 +33,7 @@ gradients, optimizer_states, master_weights, buffers, activations, autocast_weig
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import pandas as pd
@@ -269,14 +269,12 @@ def _elements(rows: pd.DataFrame, floats: frozenset[str] = _MODE_FLOATS) -> tupl
     return elems, fixed
 
 
-def _run_mode(
-    summary: Mapping[str, Any], memory: pd.DataFrame, inferred: Callable[[], str]
-) -> tuple[str, str]:
+def _run_mode(summary: Mapping[str, Any], inferred: str) -> tuple[str, str]:
     """(the run's precision mode, where it comes from, in words): the one the profiler saw it train in
     (``capture.precision_seen``, what the report's header says) where its configuration asked for none or for
     another one the run did not train in (accelerate's fp16 on a CPU trains in fp32: the projection's measured mode
     was fp16; a float64 model's "fp64", whatever was asked: autocast leaves it alone), else its configuration's,
-    else the one its memory looks like (``inferred``: ``infer_mode``)."""
+    else the one its memory looks like (``inferred``: ``infer_mode``'s)."""
     config = summary.get(T.SUMMARY_CONFIG) or {}
     asked = str(config.get("precision", "")) if isinstance(config, Mapping) else ""
     asked = asked if asked in MODES else ""
@@ -289,7 +287,7 @@ def _run_mode(
         )
     if asked:
         return asked, ""
-    return inferred(), " (inferred from dtypes)"
+    return inferred, " (inferred from dtypes)"
 
 
 def _assumed_states(summary: Mapping[str, Any], n_trainable: int) -> int | None:
@@ -320,14 +318,8 @@ def project(
     # the representative step, and the mode the memory looks like, found once
     step = representative_step(memory)
     at_step = _rows_at(memory, step)
-    looks: list[str] = []
-
-    def inferred() -> str:
-        if not looks:
-            looks.append(infer_mode(memory, at_step))
-        return looks[0]
-
-    mode, said = _run_mode(summary, memory, inferred)
+    inferred = infer_mode(memory, at_step)
+    mode, said = _run_mode(summary, inferred)
 
     def comp(name: str) -> pd.DataFrame:
         return at_step[at_step[T.COMPONENT] == name] if not at_step.empty else at_step
@@ -359,7 +351,7 @@ def project(
     grad_elems = n_trainable - sparse + min(max(g_elems - (n_trainable - sparse), 0.0), sparse)
     # frozen parameters held in 16-bit beside fp32 trained ones (a bf16 base under fp32 LoRA adapters): kept as
     # measured in every mode that does not make the weights 16-bit anyway
-    frozen_low = _frozen_low_bytes(comp(T.PARAMETERS), n_params - n_trainable, inferred())
+    frozen_low = _frozen_low_bytes(comp(T.PARAMETERS), n_params - n_trainable, inferred)
     b_elems, b_fixed = _elements(comp(T.BUFFERS), floats)
     o_elems, o_fixed = _elements(comp(T.OPTIMIZER_STATES), floats)
     m_elems, m_fixed = _elements(comp(T.MASTER_WEIGHTS), floats)
@@ -369,7 +361,7 @@ def project(
     cast_copies = _cast_copy_elements(memory, step)
     matmul_numel = facts.get("matmul_weight_numel")
     # What the tensors show, which may differ from what was asked for (accelerate ignores fp16 on a CPU).
-    seen_mode = inferred() if not at_step.empty else mode
+    seen_mode = inferred if not at_step.empty else mode
     measured_autocast = mode in AUTOCAST_MODES and seen_mode in AUTOCAST_MODES
     measured_pure = mode in PURE_MODES and seen_mode in PURE_MODES
     inactive = (mode in AUTOCAST_MODES and not measured_autocast) or (
