@@ -32,15 +32,8 @@ def zero_gradient(grads: pd.DataFrame, updates: pd.DataFrame) -> pd.Series:
     # each row's (step, module, param) and (module, param) as integers, coded over both tables alike (as the
     # merges on them did: a missing key matches a missing one): merges of text columns took a tenth of the
     # advisor's lost-update rule
-    g_key, u_key = _codes(grads[T.STEP], updates[T.STEP])
-    for k in _KEYS[1:]:
-        g, u = _codes(grads[k], updates[k])
-        n = int(max(g.max(initial=0), u.max(initial=0))) + 1
-        g_key, u_key = g_key * n + g, u_key * n + u
-        if k == T.MODULE:
-            g_mp, u_mp = g, u
-        else:
-            g_mp, u_mp = g_mp * n + g, u_mp * n + u
+    g_key, u_key = T.joint_codes((grads[k], updates[k]) for k in _KEYS)
+    g_mp, u_mp = T.joint_codes((grads[k], updates[k]) for k in _KEYS[1:])
     # the gradient row of the update's step (the first of a repeated key), and whether its weight has any
     keys, first = np.unique(g_key, return_index=True)
     at = np.clip(np.searchsorted(keys, u_key), 0, len(keys) - 1)
@@ -48,10 +41,3 @@ def zero_gradient(grads: pd.DataFrame, updates: pd.DataFrame) -> pd.Series:
     read = np.isin(u_mp, g_mp)
     backward = updates[T.STEP].isin(grads[T.STEP].unique()).to_numpy()
     return pd.Series((found & zero[first[at]]) | (~found & read & backward), index=updates.index)
-
-
-def _codes(a: pd.Series, b: pd.Series) -> tuple[np.ndarray, np.ndarray]:
-    """The values of ``a`` and of ``b`` as integer codes over both (0: missing), as a merge would match them."""
-    codes, _ = pd.factorize(np.concatenate([a.to_numpy(dtype=object), b.to_numpy(dtype=object)]))
-    codes = codes.astype(np.int64) + 1
-    return codes[: len(a)], codes[len(a) :]
