@@ -1526,7 +1526,8 @@ def test_a_long_runs_save_gives_its_memory_back() -> None:
     if not Path("/proc/self/status").exists():
         pytest.skip("needs /proc")
     grown = {}
-    for how in ("kept", "released"):  # a fresh Python, not a fork: its allocators as a user's process has them
+    # a fresh Python, not a fork of tests/forks.py's server: its allocators as a user's process has them
+    for how in ("kept", "released"):
         res = subprocess.run(
             [sys.executable, "-c", _SAVE_MEMORY, how], capture_output=True, text=True, timeout=300, check=True
         )
