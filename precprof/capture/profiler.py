@@ -237,6 +237,7 @@ class Profiler(PartsAssembly, ProfilerResults, OptimizerSwitch):
         self._sample_reason = ""  # why the step in progress is sampled ("" when it is not)
         self._t_last = time.perf_counter()
         self._outside_s = 0.0  # this step's time in ``not_training`` blocks: not the step's
+        self._outside_depth = 0
         self._pending: list[_PendingStep] = []
 
         self._recorded = Recorded()
@@ -472,14 +473,20 @@ class Profiler(PartsAssembly, ProfilerResults, OptimizerSwitch):
     def not_training(self) -> Iterator[None]:
         """Time, memory and forwards inside are not the step's (an evaluation, a checkpoint between steps): left out
         of its rows, ``time_s``, cost, the overhead budget and its memory peak (the callbacks' evaluations)."""
+        if not self._attached:  # no step in progress: its time came off the next attachment's first step
+            yield
+            return
         t0 = time.perf_counter()
+        self._outside_depth += 1  # one inside another (a save's look at the tables) is timed once
         with contextlib.ExitStack() as inside:
             for part in (p for p in (self._hooks, self._tracker) if p is not None):
                 inside.enter_context(part.outside())
             try:
                 yield
             finally:
-                self._outside_s += time.perf_counter() - t0
+                self._outside_depth -= 1
+                if not self._outside_depth:
+                    self._outside_s += time.perf_counter() - t0
 
     # ------------------------------------------------------------------------------------- host side
     def _flush(self, sampled_step_done: bool, timed: _PendingStep | None = None) -> None:

@@ -207,7 +207,7 @@ class ProfilerResults:
     # ------------------------------------------------------------------------------------ results
     def tables(self) -> dict[str, pd.DataFrame]:
         """The four tables so far (precprof/tables.py), every step ended included (syncs if one is pending)."""
-        with self.not_training() if self._attached else contextlib.nullcontext():
+        with self.not_training():
             if self._pending:
                 self._flush(sampled_step_done=False)
             return self._recorded.tables()
@@ -496,9 +496,9 @@ class ProfilerResults:
             raise RuntimeError("precprof.pipeline, which writes run directories, is not loaded")
         # refused in one line where another run is there: a killed run's stream may be its only record
         claimed = None if self._ours(run_dir) else rundir.claim(run_dir, overwrite=overwrite, option="path")
-        full = self.run_summary(summary, status, reason)
-        try:
-            with self._recorded.saving(run_dir):
+        try:  # mid-run, its time is not the step's (``not_training``)
+            with self.not_training(), self._recorded.saving(run_dir):
+                full = self.run_summary(summary, status, reason)
                 written = finisher(
                     run_dir,
                     self.tables(),
