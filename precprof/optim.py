@@ -4,7 +4,9 @@ There is no fp32 master copy of the weights: each step upcasts a parameter to fp
 with fp32 states, and rounds the result back to the parameter's dtype once. An update smaller than half a
 unit in the last place of the stored weight is lost, which is exactly the effect the profiler's
 ``lost_update_*`` columns measure. With fp32 parameters these optimizers compute the same update as
-``torch.optim.AdamW`` / ``torch.optim.SGD`` (single-tensor implementation).
+``torch.optim.AdamW`` / ``torch.optim.SGD`` (single-tensor implementation); an fp64 parameter is updated in
+fp64, with fp64 states (fp32 ones would round its update coarser than its storage). Complex parameters are
+refused (their update in fp32 would drop the imaginary part): torch's own optimizers take them.
 
 They are ordinary ``torch.optim.Optimizer`` subclasses: step hooks, ``state_dict`` and ``GradScaler`` (which
 skips ``step()`` when it finds inf/nan gradients) work as with the built-in optimizers.
@@ -19,11 +21,29 @@ import torch
 from torch.optim import Optimizer
 
 
+def _working(p: torch.Tensor) -> torch.dtype:
+    """The dtype a parameter's update and states are computed in: fp32, or the parameter's own if wider."""
+    return torch.promote_types(p.dtype, torch.float32)
+
+
 def _fp32_view(p: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """(fp32 working copy of p, whether it is a copy). An fp32 parameter is updated in place."""
-    if p.dtype == torch.float32:
+    """(working copy of p in ``_working``'s dtype, whether it is a copy). An fp32 (fp64) parameter is updated
+    in place."""
+    if p.dtype == _working(p):
         return p, False
-    return p.float(), True
+    return p.to(_working(p)), True
+
+
+def _real_floating(optimizer: Optimizer) -> None:
+    """ValueError, in one line, for a parameter that is not a real floating tensor."""
+    for i, group in enumerate(optimizer.param_groups):
+        for j, p in enumerate(group["params"]):
+            if not p.is_floating_point():
+                raise ValueError(
+                    f"{type(optimizer).__name__} takes real floating parameters; parameter {j} of group {i} is "
+                    f"{str(p.dtype).removeprefix('torch.')} (its update in fp32 would drop the imaginary part): "
+                    "use torch.optim's optimizer for it"
+                )
 
 
 class FP32StateAdamW(Optimizer):
@@ -45,6 +65,7 @@ class FP32StateAdamW(Optimizer):
         if lr < 0 or eps < 0 or weight_decay < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
             raise ValueError(f"invalid AdamW hyper-parameters: lr={lr}, betas={betas}, eps={eps}")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        _real_floating(self)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
@@ -64,9 +85,9 @@ class FP32StateAdamW(Optimizer):
                 if not state:
                     # the step count lives on the CPU, as in torch's AdamW: reading it never syncs
                     state["step"] = torch.tensor(0.0)
-                    state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
-                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
-                grad = p.grad.float()
+                    state["exp_avg"] = torch.zeros_like(p, dtype=_working(p))
+                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=_working(p))
+                grad = p.grad.to(_working(p))
                 w, copied = _fp32_view(p)
                 exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
                 state["step"] += 1
@@ -102,6 +123,7 @@ class FP32StateSGD(Optimizer):
         if lr < 0 or momentum < 0 or weight_decay < 0:
             raise ValueError(f"invalid SGD hyper-parameters: lr={lr}, momentum={momentum}")
         super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay))
+        _real_floating(self)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
@@ -115,7 +137,7 @@ class FP32StateSGD(Optimizer):
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                grad = p.grad.float()
+                grad = p.grad.to(_working(p))
                 w, copied = _fp32_view(p)
                 if wd != 0:
                     grad = grad.add(w, alpha=wd)

@@ -335,6 +335,35 @@ def test_fp32_state_adamw_on_low_precision_params(dtype: torch.dtype) -> None:
     assert ours.state[p]["exp_avg"].dtype == torch.float32
 
 
+@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+def test_fp32_state_optimizers_keep_an_fp64_parameter_in_fp64_and_refuse_a_complex_one(kind: str) -> None:
+    """An fp64 parameter was updated in fp32 (``p.float()``) and rounded back: torch's optimizer on fp64 moved it
+    by updates that fp32 rounded away. Now its update and states are fp64, torch's update exactly. A complex
+    parameter's imaginary part was dropped (``p.float()``): refused in one line at construction."""
+    torch.manual_seed(0)
+    p = nn.Parameter(torch.full((4, 3), 1.0, dtype=torch.float64))
+    q = nn.Parameter(p.detach().clone())
+    if kind == "adamw":
+        ours: torch.optim.Optimizer = FP32StateAdamW([p], lr=1e-9, weight_decay=0.0)
+        ref: torch.optim.Optimizer = torch.optim.AdamW([q], lr=1e-9, weight_decay=0.0, foreach=False)
+    else:
+        ours = FP32StateSGD([p], lr=1e-9, momentum=0.9)
+        ref = torch.optim.SGD([q], lr=1e-9, momentum=0.9, foreach=False)
+    for _ in range(3):
+        g = torch.randn(4, 3, dtype=torch.float64)
+        p.grad, q.grad = g.clone(), g.clone()
+        ours.step()
+        ref.step()
+    assert not torch.equal(q.detach(), torch.ones_like(q))  # updates below fp32's ulp at 1.0 (6e-8), kept
+    assert torch.equal(p.detach(), q.detach())
+    assert all(v.dtype == torch.float64 for v in ours.state[p].values() if v.dim())
+    z = nn.Parameter(torch.randn(3, dtype=torch.complex64))
+    make = FP32StateAdamW if kind == "adamw" else FP32StateSGD
+    with pytest.raises(ValueError, match="parameter 1 of group 0 is complex64") as e:
+        make([nn.Parameter(torch.ones(2)), z])
+    assert "\n" not in str(e.value)
+
+
 def test_pure_bf16_loses_tiny_updates() -> None:
     """Without master weights an update below half an ulp of the bf16 weight vanishes; fp32 keeps it."""
     for dtype, changes in ((torch.bfloat16, False), (torch.float32, True)):
