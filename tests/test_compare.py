@@ -555,8 +555,8 @@ def test_advised_loss_scale_is_trained_and_checked(tmp_path: Path) -> None:
         progress=False,
         report=False,
     )
-    comp = C.compare(base, "fp32,fp16:none,fp16:advised", out=tmp_path)
-    ref, unscaled, advised = comp.runs
+    comp = C.compare(base, "fp32,fp16:none,fp16:advised,bf16", out=tmp_path)
+    ref, unscaled, advised, _ = comp.runs
     rec = T.read_summary(tmp_path / "fp32")[T.SUMMARY_RECOMMENDATION]
     # the advised run started at the advisor's scale
     cfg = T.read_summary(tmp_path / "fp16-advised")[T.SUMMARY_CONFIG]
@@ -571,6 +571,27 @@ def test_advised_loss_scale_is_trained_and_checked(tmp_path: Path) -> None:
     unscaled_check = next(c for c in comp.checks if c.run == "fp16-none")
     assert unscaled_check.status == A.CONFIRMED and "had warned" in unscaled_check.text
     assert "fp16 gradient underflow" in unscaled_check.text
+    # without the fp32 run, bf16 is the reference, and the advisor on its profile keeps fp32 (a model this small):
+    # unscaled fp16's stall behind bf16 measures nothing of fp32's loss (it "confirmed" fp32)
+    no_fp32 = A.analyse(
+        [(A.Variant("bf16"), tmp_path / "bf16"), (A.Variant("fp16", "none"), tmp_path / "fp16-none")]
+    )
+    assert no_fp32.reference == "bf16" and (no_fp32.run("bf16").recommendation or {})["format"] == "fp32"
+    assert no_fp32.run("fp16-none").outcome == A.STALLED
+    (loss,) = [c for c in no_fp32.checks if c.aspect == A.ASPECT_LOSS]
+    assert loss.status == A.NOT_MEASURED, loss
+    assert "no fp32 or tf32 run, so no loss of fp32 was measured" in loss.text, loss.text
+    # with it, fp32 is the reference, and the same stall confirms keeping fp32
+    with_fp32 = A.analyse(
+        [(A.Variant("fp32"), tmp_path / "fp32"), (A.Variant("fp16", "none"), tmp_path / "fp16-none")]
+    )
+    assert (with_fp32.run("fp32").recommendation or {})["format"] == "fp32"
+    (loss,) = [c for c in with_fp32.checks if c.aspect == A.ASPECT_LOSS]
+    assert (loss.status, loss.text) == (
+        A.CONFIRMED,
+        "Loss: the advisor's default for a model this small is fp32; the measurements allowed bf16; no run in "
+        "another format matched fp32's loss (fp16-none).",
+    )
 
 
 def test_an_advised_fp16_run_where_fp16_is_ruled_out_checks_the_ruling(tmp_path: Path) -> None:
@@ -896,6 +917,36 @@ def test_a_run_in_the_references_own_format_is_no_rival_format() -> None:
         f"Loss: {lead}; fp32-rerun trained in fp32, as fp32 did; no run in another format sets it against precision "
         f"alone. {cut} it ends at."
     )
+
+
+def test_an_fp32_verdict_without_an_fp32_run_is_not_confirmed_on_loss() -> None:
+    """bf16 the reference for want of an fp32 run, the advisor on its profile recommending fp32, an fp16 run that
+    fell behind bf16: "[confirmed] Loss: ... no run in another format matched bf16's loss (fp16)", while nothing
+    trained in fp32. That fp16 did worse than bf16 says nothing of whether fp32 does better: not measured, saying
+    why. The same runs with an fp32 (or tf32) reference, or a verdict for bf16, the reference's own format, still
+    confirm it."""
+    for rec, lead in (
+        ({"format": "fp32", "findings": []}, "the advisor, on the bf16 run's profile, recommends fp32"),
+        (SMALL, "the advisor's default for a model this small is fp32; the measurements allowed bf16"),
+    ):
+        ref = run_result("bf16", 5.0, 2.0, recommendation=rec)
+        fp16 = run_result("fp16", 5.0, 2.5, loss_scaling="dynamic")
+        fp16.outcome, fp16.gap = A.classify(fp16, ref, 0.02)
+        assert fp16.outcome == A.BEHIND
+        (loss,) = [c for c in A.check_against_runs([ref, fp16], ref) if c.aspect == A.ASPECT_LOSS]
+        assert (loss.status, loss.run) == (A.NOT_MEASURED, "bf16")
+        assert loss.text == (
+            f"Loss: {lead}; this comparison has no fp32 or tf32 run, so no loss of fp32 was measured (bf16 is the "
+            "reference for want of one): that fp16 did not match bf16's loss says nothing of fp32's."
+        )
+    # a reference in the recommended format, or in full precision, sets the other formats against it
+    for ref_label, fmt in (("fp32", "fp32"), ("tf32", "fp32"), ("fp32", "tf32"), ("bf16", "bf16")):
+        ref = run_result(ref_label, 5.0, 2.0, recommendation={"format": fmt, "findings": []})
+        fp16 = run_result("fp16", 5.0, 2.5, loss_scaling="dynamic")
+        fp16.outcome, fp16.gap = A.classify(fp16, ref, 0.02)
+        (loss,) = [c for c in A.check_against_runs([ref, fp16], ref) if c.aspect == A.ASPECT_LOSS]
+        assert loss.status == A.CONFIRMED, (ref_label, fmt, loss)
+        assert loss.text.endswith(f"; no run in another format matched {ref_label}'s loss (fp16)."), loss.text
 
 
 @pytest.mark.parametrize(

@@ -3,8 +3,8 @@ against what the other runs did.
 
 Every sentence states what the run directories measured: a format is "confirmed" on speed only when its run
 reached ``SMALL_MODEL_MIN_SPEEDUP`` times the reference's throughput on the machine the advisor planned for
-(``speed_status`` holds that rule), neither run in a format that machine emulates, and an fp32 verdict's speed
-only against an fp32 (or tf32) reference (``speed_unjudged``); the warnings quoted are those the reference
+(``speed_status`` holds that rule), neither run in a format that machine emulates, and an fp32 verdict's loss
+and speed only against an fp32 (or tf32) reference (``no_full_precision``); the warnings quoted are those the reference
 profile's advisor gave.
 """
 
@@ -54,7 +54,7 @@ STATUS_MEANING = {
     MISSED: "the run went wrong and the profile gave no warning that bears on it",
     NOT_MEASURED: "no run in this comparison measures it: no run in that format, a failed run, no throughput, "
     "speed on a machine other than this one, the speed of a format this machine emulates (fp16 on a CPU without "
-    "fp16 arithmetic), an fp32 verdict's speed without an fp32 run, a run trained otherwise than the reference "
+    "fp16 arithmetic), an fp32 verdict's loss or speed without an fp32 run, a run trained otherwise than the reference "
     "besides its precision, an fp16 run without the loss scaling the advice gives it, a reference that did not "
     "train, a run without summary.json, or a run that stopped early or is compared short of its end (runs of "
     "different lengths)",
@@ -235,14 +235,21 @@ def speed_unjudged(r: RunResult, ref: RunResult, fmt: str) -> str:
     the reference for want of one); and a run or reference whose format the machine emulates
     (``RunResult.emulated``). Two runs, bf16 and an fp16 emulated on a CPU, had "confirmed" keeping fp32 from
     fp16 at 1.06x bf16's throughput, and "contradicted" it from a noisy 1.52x."""
-    why = []
-    if fmt in _FULL_PRECISION and ref.precision not in _FULL_PRECISION:
-        why.append(
-            f"this comparison has no fp32 or tf32 run, so no speed of {fmt} was measured ({ref.label} is the "
-            "reference for want of one)"
-        )
-    why += [x.emulated for x in (r, ref) if x.emulated]
-    return "; ".join(why)
+    why = [no_full_precision(ref, fmt, "speed"), *(x.emulated for x in (r, ref))]
+    return "; ".join(w for w in why if w)
+
+
+def no_full_precision(ref: RunResult, fmt: str, what: str) -> str:
+    """Why an fp32 (or tf32) recommendation's ``what`` ("loss", "speed") is not measured against ``ref``, in
+    words ("" when it is): ``ref`` is in neither, so the comparison has no fp32 or tf32 run (the reference is
+    fp32, then tf32, wherever one is). How the other formats fared against a bf16 reference says nothing of
+    fp32's: fp16 behind bf16 had "confirmed" keeping fp32 on loss with no fp32 run."""
+    if fmt not in _FULL_PRECISION or ref.precision in _FULL_PRECISION:
+        return ""
+    return (
+        f"this comparison has no fp32 or tf32 run, so no {what} of {fmt} was measured ({ref.label} is the "
+        "reference for want of one)"
+    )
 
 
 def _ran_at(r: RunResult, ref: RunResult, who: bool = True) -> str:
@@ -273,7 +280,8 @@ def _recommendation_checks(
     """The recommended format against the runs: its loss (the run in that format matched?) and its speed (the
     run in that format against ``speed_status``); for an fp32 recommendation, the speed of each run that
     matched, which confirms it (no gain), overrides it (the format its measurements allowed, with a gain) or
-    contradicts it."""
+    contradicts it. That no run in another format matched the reference confirms only a recommendation of the
+    reference's own format, or of fp32 (tf32) against an fp32 (tf32) reference (``no_full_precision``)."""
     fmt = str(rec.get("format", ""))
     scale = rec.get("loss_scale") if fmt == "fp16" else None
     target = rec.get("target")
@@ -314,6 +322,22 @@ def _recommendation_checks(
                 Check(
                     NOT_MEASURED,
                     " ".join([f"Loss: {lead}; {why}", *apart]),
+                    ref.label,
+                    ASPECT_LOSS,
+                )
+            )
+        elif not rivals and no_full_precision(ref, fmt, "loss"):
+            names = and_list([r.label for r in finished])
+            checks.append(
+                Check(
+                    NOT_MEASURED,
+                    " ".join(
+                        [
+                            f"Loss: {lead}; {no_full_precision(ref, fmt, 'loss')}: that {names} did not match "
+                            f"{ref.label}'s loss says nothing of {fmt}'s.",
+                            *apart,
+                        ]
+                    ),
                     ref.label,
                     ASPECT_LOSS,
                 )
