@@ -57,6 +57,7 @@ Every column name used anywhere in precprof is a constant here (read them throug
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -207,6 +208,19 @@ ROOT_LABEL = "(model)"
 def module_label(name: str) -> str:
     """A module's name as a page or a sentence shows it: the root module (named "") is ``ROOT_LABEL``."""
     return name if name else ROOT_LABEL
+
+
+# a module name of numbers alone: an nn.Sequential's children ("16"), theirs ("3.1")
+_NUMBERS = re.compile(r"[\d.]+")
+
+
+def module_in_prose(name: str) -> str:
+    """A module's name as a sentence, a caption or a cell among numbers writes it: ``module_label``, and a name of
+    numbers alone in quotes, a name and not a number ('worst: 16 90.2%, 58 90.2%' read as counts beside shares in
+    an nn.Sequential's findings; "The first row that loses anything in FP16, 46, is drawn"); every other name as it
+    is ("layers.0", "0.weight", "0:input")."""
+    label = module_label(name)
+    return f'"{label}"' if _NUMBERS.fullmatch(label) else label
 
 
 def params_text(n: float) -> str:

@@ -236,6 +236,47 @@ def test_module_names_and_config_are_escaped(tmp_path: Path) -> None:
     assert escaped in section(page, "whatif")
 
 
+class _Times(nn.Module):
+    """``x * c``: a module without parameters, so that its output's row is the first to hold tiny values."""
+
+    def __init__(self, c: float) -> None:
+        super().__init__()
+        self.c = c
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.c
+
+
+def test_an_nn_sequentials_numbered_modules_read_as_names_on_the_page(tmp_path: Path) -> None:
+    """An nn.Sequential's children are named "0", "2": the findings' prose quoted them, the page did not: the
+    heatmap's caption read "The first row that loses anything in FP16, 2, is drawn" and a finding's numbers
+    "that module 1" beside its counts. Every place the page writes a module's name into prose, or among numbers,
+    quotes a name of numbers alone, as the findings do; the per-layer tables, where a name is code, keep it bare."""
+    torch.manual_seed(0)
+    # what the layers after "2" compute falls below FP16's subnormals, and so do the gradients before it
+    model = nn.Sequential(
+        nn.Linear(8, 8),
+        nn.Linear(8, 8),
+        _Times(2.0**-40),
+        nn.Linear(8, 8, bias=False),
+        nn.Linear(8, 4, bias=False),
+    )
+    prof = _two_steps(model)
+    page = prof.report(tmp_path / "run" / "report.html").read_text()
+    # the finding's numbers: the module whose gradient norm fp16 loses most, among shares and counts
+    findings = section(page, "verdict")
+    assert '<span class="k">that module</span> &#34;0&#34;</li>' in findings
+    assert "&#34;2&#34;&#39;s output gradient" in findings  # (the findings' prose, as it was)
+    assert "<code>2</code>" in section(page, "layers")  # a table's name is code: as it is
+    # the heatmap's caption, with fewer rows drawn than the model has
+    tables = prof.tables()
+    hm = plots.signature_heatmap(
+        T.sum_histogram_frame(tables["histograms"]), tables["layers"], T.ACTIVATION, max_rows=4
+    )
+    assert hm is not None
+    assert 'The first row that loses anything in FP16, "2", is drawn' in hm.rows_note(), hm.rows_note()
+
+
 def test_a_kind_without_histograms_leaves_the_next_captions_reason_alone(tmp_path: Path) -> None:
     """A run whose loss is nan from its first step has no finite activation gradient to histogram: that heatmap is
     missing, and the captions of the heatmaps after it still say why their side panel shows FP16."""

@@ -315,7 +315,7 @@ def test_a_layer_swapped_mid_run_is_said_by_name(tmp_path: Path) -> None:
     rows, text = env_rows((tmp_path / "run" / "report.html").read_text())
     check_words(rows, text)
     assert dict(rows)["model changed"] == (
-        "at step 2: modules replaced, added or taken out: 2 (recorded as the model was from then on)"
+        'at step 2: modules replaced, added or taken out: "2" (recorded as the model was from then on)'
     )
 
 
@@ -475,3 +475,19 @@ def test_adaptive_block_groups_are_not_said_to_take_every_nth_step_exactly() -> 
     )
     fixed = blocks.table({"block_what_if": {"layers": [{"module": "fc"}]}}, {"groups": 4})["turns"]
     assert fixed == "the layers take turns: each is evaluated on every 4th sampled step, exactly"
+
+
+def test_an_nn_sequentials_numbered_modules_read_as_names_in_the_environments_prose() -> None:
+    """The environment's sentences that name modules quote a name of numbers alone, an nn.Sequential's child, as
+    the findings do: "modules replaced, added or taken out: 0, 3" read as counts."""
+    from precprof.analysis.advisor.evidence import _optimizer_named
+
+    unread = environment.weight_grads_unread({"weight_grads_unread_modules": {"0": 3, "head": 3}})
+    assert '2 layer(s) on the sampled steps that read the others\' ("0", head)' in unread, unread
+    changes = environment._model_changes([{"step": 4, "modules": ["0", "3", "blocks.1"]}])
+    assert 'modules replaced, added or taken out: "0", "3", blocks.1' in changes, changes
+    assert (
+        environment._shared_text({"2": {"weight": "0"}})
+        == '2.weight is "0"\'s (recorded once, under its first owner)'
+    )
+    assert _optimizer_named([{"class": "Adam", "modules": ["0", "2"]}], 0) == 'optimizer 0 (Adam: "0", "2")'

@@ -99,7 +99,7 @@ def weight_grads_unread(capture: Mapping[str, Any]) -> str:
     some = _map(capture.get("weight_grads_unread_modules"))
     if not n and not some:
         return ""
-    names = [str(m) for m in some]
+    names = [T.module_in_prose(str(m)) for m in some]
     where = (
         f"not read on {F.count(n)} sampled step(s): their backward left no gradient in any parameter's .grad"
         if n
@@ -143,7 +143,7 @@ def _model_changes(changes: Any, listed: int = 6) -> str:
                 for k, what in (("added", "new"), ("removed", "gone"))
                 if c.get(k)
             ]
-            modules = [str(m) for m in c.get("modules") or ()]
+            modules = [T.module_in_prose(str(m)) for m in c.get("modules") or ()]
             if modules and not parts:  # (modules that came or went with parameters are said by those)
                 more = f" and {len(modules) - listed} more" if len(modules) > listed else ""
                 parts.append(f"modules replaced, added or taken out: {', '.join(modules[:listed])}{more}")
@@ -753,7 +753,7 @@ def _shared_text(shared: Any, listed: int = 6) -> str:
     """The parameters recorded under another module (``capture.shared_params``), in words: their rows are that
     module's."""
     pairs = [
-        f"{module}.{param} is {owner}'s"
+        f"{module}.{param} is {T.module_in_prose(str(owner))}'s"
         for module, params in _map(shared).items()
         for param, owner in _map(params).items()
     ]
@@ -767,7 +767,7 @@ def _outside_text(outside: Any, listed: int = 6) -> str:
     """The parameters first owned by a module the capture left out (``capture.shared_outside``), in words: their
     rows are under the captured module."""
     pairs = [
-        f"{module}.{param} is also {_map(owner).get('module')}'s ({_map(owner).get('type')}, not captured)"
+        f"{module}.{param} is also {T.module_in_prose(str(_map(owner).get('module')))}'s ({_map(owner).get('type')}, not captured)"
         for module, params in _map(outside).items()
         for param, owner in _map(params).items()
     ]
@@ -1026,7 +1026,11 @@ def distributed_rows(d: Mapping[str, Any], autocast: Mapping[str, Any] | None = 
     events = [_map(e) for e in d.get("nonfinite_events") or []]
     if events:
         first = events[0]
-        where = f"module {first.get('module')} ({first.get('tensor')})" if first.get("module") else ""
+        where = (
+            f"module {T.module_in_prose(str(first.get('module')))} ({first.get('tensor')})"
+            if first.get("module")
+            else ""
+        )
         bad.append(f"first at step {first.get('step')}" + (f" in {where}" if where else ""))
     mem = {str(r): _map(v) for r, v in _map(d.get("memory_by_rank")).items()}
     if sem.get("memory"):  # (no step reduced over the ranks: no totals of theirs)

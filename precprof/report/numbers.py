@@ -13,7 +13,9 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from .filters import count, log2mag, module_label, nbytes, num, pct, plain, pow2
+from precprof.tables import module_in_prose
+
+from .filters import count, log2mag, nbytes, num, pct, plain, pow2
 
 # kind -> formatter
 _KINDS = {
@@ -25,7 +27,7 @@ _KINDS = {
     "bytes": nbytes,
     "number": num,
     "text": plain,
-    "module": module_label,
+    "module": module_in_prose,  # a value among numbers: "0", an nn.Sequential's child, is a name, not a count
     "yes_no": lambda v: "yes" if v else "no",
     "change": lambda v: ("+" if float(v) > 0 else "") + pct(v),
     "step": lambda v: f"step {int(v)}",

@@ -708,7 +708,7 @@ def _optimizer_of(module: str, each: list[dict[str, Any]]) -> int | None:
 def _optimizer_named(each: list[dict[str, Any]], k: int) -> str:
     """Optimizer ``k`` of ``each`` (``_skipped_optimizers``) in words: "optimizer 0 (Adam: D.0, D.2)"."""
     e = each[k] if 0 <= k < len(each) else {}
-    mods = [str(m) for m in e.get("modules") or ()]
+    mods = [T.module_in_prose(str(m)) for m in e.get("modules") or ()]
     held = ", ".join(mods[:3]) + (f" and {len(mods) - 3} more" if len(mods) > 3 else "")
     return f"optimizer {k} ({e.get('class') or '?'}{': ' + held if held else ''})"
 

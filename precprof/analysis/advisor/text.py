@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import re
 
 from precprof import tables as T
 
@@ -57,16 +56,7 @@ def _scales(scales: list[float], limit: int = 6) -> str:
     return f"{len(scales)} loss scales from {scales[0]:g} to {scales[-1]:g}"
 
 
-# a module name of numbers alone: an nn.Sequential's children ("16"), theirs ("3.1")
-_NUMBERS = re.compile(r"[\d.]+")
-
-
-def _name(module: str) -> str:
-    """A module's name as a sentence writes it: the root module (named "") as every table and list names it, and
-    a name of numbers alone in quotes, a name and not a number ('worst: 16 90.2%, 58 90.2%' read as counts
-    beside shares in an nn.Sequential's findings); every other name as it is."""
-    label = T.module_label(module)
-    return f'"{label}"' if _NUMBERS.fullmatch(label) else label
+_name = T.module_in_prose  # a module's name as a sentence writes it ("16" quoted, a name and not a number)
 
 
 def _listing(modules: list[str], limit: int) -> str:

@@ -263,7 +263,7 @@ class Heatmap:
                 parts.append(_rows_part(sel.less_shown, sel.less, f"{_lose(sel.less)} less"))
         text = f"Showing {self.rows_shown} of {self.rows_total} rows, in forward order: {'; '.join(parts)}."
         if sel.onset is not None:
-            name = S.row_label(*self.rows[sel.index.index(sel.onset)])
+            name = T.module_in_prose(S.row_label(*self.rows[sel.index.index(sel.onset)]))
             before = " with the row before it" if sel.onset - 1 in sel.index else ""
             text += f" The first row that loses anything in {fmt}, {name}, is drawn{before}."
         mark = (
