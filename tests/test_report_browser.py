@@ -162,6 +162,28 @@ window.addEventListener("load", function () { setTimeout(function () {
 }, 0); });
 </script>"""
 LAYOUT_WIDTHS = (1400, 800)
+# the queries FILTER_PROBE types into each table's filter box, one after the other, then clears it
+FILTER_QUERIES = ("transformer.h.1", "h.1", "h.1.attn", "c_proj", "transformer.h.", "conv1d")
+# before the LAYOUT_PROBE (see ``layout``): types each query into each filter box and records the module names of
+# the rows it leaves shown, as JSON in the DOM; the box cleared, the tables are as they were
+FILTER_PROBE = """<script>
+window.addEventListener("load", function () { setTimeout(function () {
+  var found = {};
+  document.querySelectorAll("input.filter").forEach(function (input) {
+    var table = document.getElementById(input.getAttribute("data-table")), got = {};
+    QUERIES.forEach(function (q) {
+      input.value = q;
+      input.dispatchEvent(new Event("input"));
+      got[q] = Array.prototype.filter.call(table.tBodies[0].rows, function (r) { return r.style.display !== "none"; })
+        .map(function (r) { return r.querySelector("td.mod code").textContent; });
+    });
+    input.value = "";
+    input.dispatchEvent(new Event("input"));
+    found[table.id] = got;
+  });
+  document.body.setAttribute("data-filter", JSON.stringify(found));
+}, 0); });
+</script>""".replace("QUERIES", json.dumps(list(FILTER_QUERIES)))
 
 
 def browser() -> str:
@@ -385,7 +407,30 @@ def test_page_of_a_large_model_hides_no_row_and_cuts_no_list(tmp_path: Path) -> 
         == len(S.whatif_by_layer(tabs["layers"]))
         > render.FIRST_ROWS + render.MORE_ROWS
     )
-    check_layout(page, tmp_path)
+    doms = check_layout(page, tmp_path, before=FILTER_PROBE)
+    # the filter boxes: a query that is whole parts of a module's name keeps that module's rows, "h.1" not h.10 to
+    # h.19 ("transformer.h.1" kept 11 blocks' rows); any other query is looked for in the row's text
+    types = {ly.name: ly.type for ly in layers}
+    for width, dom in doms.items():
+        m = re.search(r'data-filter="([^"]*)"', dom)
+        assert m is not None, "the filter probe did not run"
+        for table, got in json.loads(html.unescape(m.group(1))).items():
+            names = list(dict.fromkeys(n for shown in got.values() for n in shown))
+            every = re.findall(
+                r'<td class="mod"><code>(.*?)</code>', text.split(f'id="{table}"', 1)[1].split("</table>")[0]
+            )
+            rows = [html.unescape(n.replace("<wbr>", "")) for n in every]
+            block_1 = [n for n in rows if n.startswith("transformer.h.1.")]
+            assert block_1 and got["transformer.h.1"] == got["h.1"] == block_1, (
+                width,
+                table,
+                got["h.1"][-3:],
+            )
+            assert got["h.1.attn"] == [n for n in block_1 if ".attn." in n]
+            assert got["c_proj"] == [n for n in rows if n.split(":")[0].endswith(".c_proj")]
+            assert got["transformer.h."] == [n for n in rows if "transformer.h." in n]
+            assert got["conv1d"] == [n for n in rows if types.get(n.split(":")[0]) == "Conv1D"]
+            assert len(names) < len(rows)
 
 
 def test_page_with_a_200_character_module_name_fits(tmp_path: Path) -> None:

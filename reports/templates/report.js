@@ -86,13 +86,31 @@
       });
     });
   });
+  // filter: a query that is whole parts of a module's dotted name keeps the rows of the modules it names that
+  // way, "layers.4" layers.4, layers.4.attn and layers.4:input, not layers.40 to 47 (nor "h.1" transformer.h.12);
+  // any other query ("c_at", "linear", "bfloat16") keeps the rows whose text holds it
+  function moduleOf(r) {
+    var c = r.querySelector("td.mod code");
+    return c ? c.textContent.trim().toLowerCase() : "";
+  }
+  function names(name, q) {
+    for (var at = name.indexOf(q); at >= 0; at = name.indexOf(q, at + 1)) {
+      var after = name.charAt(at + q.length);
+      if ((at === 0 || name.charAt(at - 1) === ".") && (after === "" || after === "." || after === ":")) {
+        return true;
+      }
+    }
+    return false;
+  }
   document.querySelectorAll("input.filter").forEach(function (input) {
     var table = document.getElementById(input.getAttribute("data-table"));
     if (!table) { return; }
     input.addEventListener("input", function () {
-      var q = input.value.trim().toLowerCase();
-      rows(table).forEach(function (r) {
-        r.style.display = !q || r.textContent.toLowerCase().indexOf(q) >= 0 ? "" : "none";
+      var q = input.value.trim().toLowerCase(), all = rows(table);
+      var byName = q && all.some(function (r) { return names(moduleOf(r), q); });
+      all.forEach(function (r) {
+        var keep = !q || (byName ? names(moduleOf(r), q) : r.textContent.toLowerCase().indexOf(q) >= 0);
+        r.style.display = keep ? "" : "none";
       });
       collapse(table);
     });
