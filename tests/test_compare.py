@@ -34,6 +34,15 @@ def test_parse_precisions() -> None:
     assert A.reference_index(vs) == 0
     assert A.reference_index(A.parse_precisions("bf16,tf32,fp16")) == 1
     assert A.reference_index(A.parse_precisions("bf16,fp16")) == 0
+    # every digit of a static scale (":g" named 2^40 and 2^40 + 1 alike, "1.09951e+12": one directory)
+    vs = A.parse_precisions("fp16:static:1099511627776,fp16:static:1099511627777,fp16:static:0.5")
+    assert [v.label for v in vs] == [
+        "fp16-static-1099511627776",
+        "fp16-static-1099511627777",
+        "fp16-static-0.5",
+    ]
+    with pytest.raises(UserError, match="fp16-static-8192 is listed twice"):
+        A.parse_precisions("fp16:static:8192,fp16:static:8192.0")
 
 
 @pytest.mark.parametrize(

@@ -90,8 +90,9 @@ class Variant:
             return self.precision
         spec = self.loss_scale.replace(":", "-")
         if spec.startswith("static-"):
-            with contextlib.suppress(ValueError):  # static:8192.0 -> static-8192
-                spec = f"static-{float(spec[7:]):g}"
+            with contextlib.suppress(ValueError):  # static:8192.0 -> static-8192, every digit (:g made 2^40
+                value = float(spec[7:])  # and 2^40 + 1 both "1.09951e+12": one run directory)
+                spec = f"static-{int(value) if value.is_integer() else value!r}"
         return f"{self.precision}-{spec}"
 
 
@@ -119,7 +120,7 @@ def parse_precisions(spec: str | Sequence[str]) -> list[Variant]:
         else:
             parse_loss_scale(scale)
         v = Variant(precision, scale)
-        if v in out:
+        if v.label in [o.label for o in out]:  # (static:8192 and static:8192.0: one run, one directory)
             raise UserError(f"--precisions: {v.label} is listed twice")
         out.append(v)
     if len(out) < 2:
