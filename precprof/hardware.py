@@ -26,7 +26,10 @@ class HardwareInfo:
 
     ``compute_capability`` is (major, minor) for CUDA devices, None on CPU. ``bf16_native``: bf16 matmuls run
     in hardware (CUDA 8.0+, or a CPU with AVX512-BF16/AMX); ``bf16_supported``: bf16 runs at all (emulated on
-    most CPUs). ``fp8_supported``: FP8 tensor cores (compute capability 8.9+); ``fp8_library``: "torchao" or
+    most CPUs). ``fp16_native``: fp16 arithmetic runs in hardware (every CUDA GPU; a CPU with AVX512-FP16 or
+    AMX-FP16, without which torch emulates fp16 matmuls about 15x slower than fp32); None in a summary.json
+    recorded before precprof recorded it (a reader then falls back on this machine's, ``cpu_fp16_native``, and
+    says so). ``fp8_supported``: FP8 tensor cores (compute capability 8.9+); ``fp8_library``: "torchao" or
     "transformer_engine" when one is importable. ``tf32_*_enabled`` are torch's current flags.
     ``block_formats``: the block-scaled recipes its tensor cores run natively (names of
     ``precprof.block_formats.RECIPES``: "mxfp8_e4m3", "mxfp4", "nvfp4", ...); empty before Blackwell (compute
@@ -38,6 +41,7 @@ class HardwareInfo:
     compute_capability: tuple[int, int] | None = None
     bf16_supported: bool = False
     bf16_native: bool = False
+    fp16_native: bool | None = None
     fp16_tensor_cores: bool = False
     tf32_supported: bool = False
     fp8_supported: bool = False
@@ -182,6 +186,7 @@ def detect(device: str | torch.device | None = None) -> HardwareInfo:
             compute_capability=cc,
             bf16_supported=bool(torch.cuda.is_bf16_supported()),
             bf16_native=cc >= (8, 0),
+            fp16_native=True,
             fp16_tensor_cores=cc >= (7, 0),
             tf32_supported=cc >= (8, 0),
             fp8_supported=cc >= (8, 9),
@@ -210,6 +215,7 @@ def detect(device: str | torch.device | None = None) -> HardwareInfo:
         name=cpu_name,
         bf16_supported=True,  # CPU autocast runs bf16 everywhere; natively only with AVX512-BF16/AMX
         bf16_native=_cpu_bf16_native(),
+        fp16_native=cpu_fp16_native(),
         cpu_capability=torch.backends.cpu.get_cpu_capability(),
         nvml=str(nv.get("nvml", "no NVIDIA driver")),
         **common,  # type: ignore[arg-type]
@@ -217,11 +223,12 @@ def detect(device: str | torch.device | None = None) -> HardwareInfo:
 
 
 _PRESETS: dict[str, HardwareInfo] = {
-    "cpu": HardwareInfo(device="cpu", name="CPU", bf16_supported=True, bf16_native=False),
+    "cpu": HardwareInfo(device="cpu", name="CPU", bf16_supported=True, bf16_native=False, fp16_native=False),
     "v100": HardwareInfo(
         device="cuda",
         name="Tesla V100",
         compute_capability=(7, 0),
+        fp16_native=True,
         fp16_tensor_cores=True,
         memory_total_bytes=32 * 2**30,
     ),
@@ -229,6 +236,7 @@ _PRESETS: dict[str, HardwareInfo] = {
         device="cuda",
         name="Tesla T4",
         compute_capability=(7, 5),
+        fp16_native=True,
         fp16_tensor_cores=True,
         memory_total_bytes=16 * 2**30,
     ),
@@ -238,6 +246,7 @@ _PRESETS: dict[str, HardwareInfo] = {
         compute_capability=(8, 0),
         bf16_supported=True,
         bf16_native=True,
+        fp16_native=True,
         fp16_tensor_cores=True,
         tf32_supported=True,
         memory_total_bytes=80 * 2**30,
@@ -248,6 +257,7 @@ _PRESETS: dict[str, HardwareInfo] = {
         compute_capability=(8, 9),
         bf16_supported=True,
         bf16_native=True,
+        fp16_native=True,
         fp16_tensor_cores=True,
         tf32_supported=True,
         fp8_supported=True,
@@ -259,6 +269,7 @@ _PRESETS: dict[str, HardwareInfo] = {
         compute_capability=(9, 0),
         bf16_supported=True,
         bf16_native=True,
+        fp16_native=True,
         fp16_tensor_cores=True,
         tf32_supported=True,
         fp8_supported=True,
@@ -273,6 +284,7 @@ _PRESETS: dict[str, HardwareInfo] = {
         compute_capability=(10, 0),
         bf16_supported=True,
         bf16_native=True,
+        fp16_native=True,
         fp16_tensor_cores=True,
         tf32_supported=True,
         fp8_supported=True,
@@ -390,6 +402,8 @@ def env_report(info: HardwareInfo | None = None) -> str:
     ]
     if info.cpu_capability:
         lines.append(f"CPU capability: {info.cpu_capability}")
+    if not info.is_cuda and info.fp16_native is not None:
+        lines.append(f"fp16 arithmetic in hardware (AVX512-FP16/AMX-FP16): {yes(info.fp16_native)}")
     if info.nvml == "ok":
         total = f"{info.memory_total_bytes / 2**30:.1f} GiB" if info.memory_total_bytes else "?"
         used = f"{info.memory_used_bytes / 2**30:.1f} GiB" if info.memory_used_bytes is not None else "?"

@@ -312,7 +312,8 @@ def test_comparison_page(comparison: tuple[A.Comparison, Path]) -> None:
     from precprof.hardware import cpu_fp16_native
 
     # fp16 throughput on a CPU that emulates fp16 (a machine with AVX512-FP16 has no such note; every run
-    # has the note of how each run ran)
+    # has the note of how each run ran); the runs record the CPU they trained on, this one
+    assert [r.fp16_native for r in comp.runs] == [cpu_fp16_native()] * 3
     assert any("has no fp16 arithmetic" in n for n in comp.notes) == (not cpu_fp16_native())
     assert any(n.startswith("How each run ran: ") for n in comp.notes)
     assert all(n.replace("'", "&#39;") in html for n in comp.notes)
@@ -803,6 +804,17 @@ def test_advice_for_another_machine_is_not_measured_here(
     )
 
 
+def _recorded_fp16(run_dir: Path, native: bool | None) -> None:
+    """Make ``run_dir``'s summary.json say its CPU had fp16 arithmetic (``native``), or say nothing of it (None:
+    a run recorded before precprof recorded it)."""
+    summary = T.read_summary(run_dir)
+    hw = summary[T.SUMMARY_HARDWARE]
+    hw.pop("fp16_native", None)
+    if native is not None:
+        hw["fp16_native"] = native
+    T.write_summary(run_dir, summary)
+
+
 def test_a_speed_without_fp32_or_of_emulated_fp16_judges_no_verdict(
     comparison: tuple[A.Comparison, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -810,7 +822,11 @@ def test_a_speed_without_fp32_or_of_emulated_fp16_judges_no_verdict(
     "[confirmed] Speed: ... keep fp32" of fp16 at 1.06x bf16's throughput, and "[contradicted] ... a gain that the
     recommendation forgoes" of a noisy 1.52x, beside the page's note that fp16's throughput here says nothing. A
     speed against bf16 measures nothing of keeping fp32, and an emulated format's speed judges nothing: not
-    measured, saying why. The speed-up itself is kept (the page draws it, with the note)."""
+    measured, saying why. The speed-up itself is kept (the page draws it, with the note).
+
+    Whether fp16 was emulated is the recording CPU's, from its summary.json: the machine reading the runs is made
+    to say the opposite, and does not count. A run recorded before summary.json said is judged by this machine's
+    CPU, and the sentence says so."""
     from precprof import hardware
 
     _, out = comparison
@@ -818,30 +834,43 @@ def test_a_speed_without_fp32_or_of_emulated_fp16_judges_no_verdict(
         p: _retimed(out / p, tmp_path / p, s) for p, s in (("fp32", 0.010), ("bf16", 0.010), ("fp16", 0.008))
     }
     emulated = (
-        "this CPU has no fp16 arithmetic (AVX512-FP16 / AMX-FP16) and torch emulates it, so fp16's throughput "
-        "says nothing of fp16's speed"
+        "the CPU fp16 trained on has no fp16 arithmetic (AVX512-FP16 / AMX-FP16) and torch emulates it, so fp16's "
+        "throughput says nothing of fp16's speed"
+    )
+    guessed = (
+        "the CPU fp16 trained on is taken to have no fp16 arithmetic (AVX512-FP16 / AMX-FP16), like this one "
+        "(fp16's summary.json does not record it), so torch emulated it and fp16's throughput says nothing of "
+        "fp16's speed"
     )
     no_fp32 = "this comparison has no fp32 or tf32 run, so no speed of fp32 was measured (bf16 is the reference for want of one)"
-    for native in (False, True):
-        monkeypatch.setattr(hardware, "cpu_fp16_native", lambda native=native: native)
+    # (recorded, this machine's): the recorded flag wins; without one (an older run) this machine's is read
+    for recorded, here in ((False, True), (True, False), (None, False), (None, True)):
+        _recorded_fp16(timed["fp16"], recorded)
+        monkeypatch.setattr(hardware, "cpu_fp16_native", lambda here=here: here)
+        native = here if recorded is None else recorded
+        why = emulated if recorded is not None else guessed
         # the tester's case, through ``precprof compare RUN_DIR RUN_DIR`` (its page once: it takes a second)
         pair = [timed["bf16"], timed["fp16"]]
         comp = (
-            A.analyse([(A.Variant("bf16"), pair[0]), (A.Variant("fp16"), pair[1])])
-            if native
-            else C.compare_runs(pair, out=tmp_path / "cmp")[0]
+            C.compare_runs(pair, out=tmp_path / "cmp")[0]
+            if (recorded, here) == (False, True)
+            else A.analyse([(A.Variant("bf16"), pair[0]), (A.Variant("fp16"), pair[1])])
         )
         bf16, fp16 = comp.runs
+        assert fp16.fp16_native is recorded
         assert comp.reference == "bf16" and (bf16.recommendation or {})["format"] == "fp32"
         assert fp16.outcome == A.MATCHED and fp16.speedup == pytest.approx(1.25)
         assert any("has no fp16 arithmetic" in n for n in comp.notes) == (not native)
+        assert any("was read instead" in n for n in comp.notes) == (not native and recorded is None)
         speed = [c for c in comp.checks if c.aspect == A.ASPECT_SPEED and c.run == "fp16"]
         assert [c.status for c in speed] == [A.NOT_MEASURED], speed
         assert speed[0].text.endswith(
             f"the fp16 run matched bf16's loss and ran at 1.25x bf16's throughput on this machine "
-            f"({_machine(timed['fp16'])}); {no_fp32}" + ("." if native else f"; {emulated}.")
+            f"({_machine(timed['fp16'])}); {no_fp32}" + ("." if native else f"; {why}.")
         ), speed[0].text
-        assert fp16.emulated == ("" if native else emulated)
+        assert fp16.emulated == ("" if native else why)
+        if recorded is None:
+            continue
         # against fp32, emulated fp16's gain judges nothing; an fp16 this CPU computes would forgo one
         comp = A.analyse([(A.Variant("fp32"), timed["fp32"]), (A.Variant("fp16"), timed["fp16"])])
         (speed,) = [c for c in comp.checks if c.aspect == A.ASPECT_SPEED and c.run == "fp16"]

@@ -21,6 +21,31 @@ def test_detect_cpu() -> None:
     assert HardwareInfo.from_dict(info.to_dict()) == info
 
 
+@pytest.mark.parametrize("flags", [set(), {"avx512_fp16", "amx_bf16"}])
+def test_detect_records_the_cpus_fp16_and_bf16_arithmetic(
+    flags: set[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The recording CPU's fp16 and bf16 arithmetic go into the run's hardware block, so that a run compared or
+    reported on another machine is judged by the CPU that trained it; the report's environment section and
+    ``precprof env`` say both. A block recorded before ``fp16_native`` existed says nothing of fp16."""
+    from precprof.report.environment import machine_rows
+
+    monkeypatch.setattr(hardware, "_cpu_flags", lambda: flags)
+    info = hardware.detect("cpu")
+    native = bool(flags)
+    assert (info.fp16_native, info.bf16_native) == (native, native)
+    assert HardwareInfo.from_dict(info.to_dict()) == info
+    (formats,) = [text for key, text in machine_rows(info.to_dict()) if key == "number formats"]
+    said = "fp16 in hardware" if native else "fp16 emulated (no fp16 arithmetic in hardware)"
+    assert said in formats and ("bf16 in hardware" if native else "bf16 emulated") in formats
+    assert f"fp16 arithmetic in hardware (AVX512-FP16/AMX-FP16): {'yes' if native else 'no'}" in (
+        hardware.env_report(info)
+    )
+    older = {k: v for k, v in info.to_dict().items() if k != "fp16_native"}
+    assert HardwareInfo.from_dict(older).fp16_native is None
+    assert "fp16" not in dict(machine_rows(older))["number formats"]
+
+
 def test_presets_round_trip_and_errors() -> None:
     for name in hardware.PRESET_NAMES:
         p = hardware.preset(name)

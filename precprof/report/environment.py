@@ -49,7 +49,7 @@ _CAPTURE_SAID = _keys(
     "self_call_forwards_unread scaler_from output_head mixed_precision_asked_as"
 )
 _HARDWARE_SAID = _keys(
-    "device name compute_capability bf16_supported bf16_native fp16_tensor_cores tf32_supported "
+    "device name compute_capability bf16_supported bf16_native fp16_native fp16_tensor_cores tf32_supported "
     "fp8_supported fp8_library tf32_matmul_enabled tf32_cudnn_enabled float32_matmul_precision "
     "memory_total_bytes memory_used_bytes driver_version cuda_version device_count cpu_capability "
     "nvml block_formats preset extra"
@@ -227,6 +227,12 @@ def machine_rows(hw: Mapping[str, Any]) -> Rows:
         formats.append("bf16 in hardware" if not cuda else "bf16 tensor cores")
     elif hw.get("bf16_supported"):
         formats.append("bf16 emulated (no bf16 arithmetic in hardware)")
+    # a CPU's fp16, as the run recorded it (every GPU has it; a run recorded before precprof recorded it says
+    # nothing rather than this machine's)
+    if not cuda and isinstance(hw.get("fp16_native"), bool):
+        formats.append(
+            "fp16 in hardware" if hw["fp16_native"] else "fp16 emulated (no fp16 arithmetic in hardware)"
+        )
     if cuda:
         formats.append("fp16 tensor cores" if hw.get("fp16_tensor_cores") else "no fp16 tensor cores")
         if hw.get("fp8_supported"):

@@ -433,7 +433,7 @@ def _prepare(config: TrainConfig, profiler_kwargs: dict[str, Any] | None) -> _Se
     writer = dist_info is None or dist_info.is_writer
     # the notes on how the run will run are warnings, shown without the progress bar too (a batch job's
     # --no-progress hid that fp16 would run 15x slower); the estimate goes with the bar (and summary.json)
-    if device.type == "cpu" and config.precision in FP16_MODES and writer and not hardware.cpu_fp16_native():
+    if device.type == "cpu" and config.precision in FP16_MODES and writer and not hw.fp16_native:
         print(
             "precprof: note: this CPU has no fp16 arithmetic; torch emulates fp16 matmuls, about 15x slower "
             "than fp32 (bf16 runs natively or close to it)",

@@ -53,7 +53,7 @@ STATUS_MEANING = {
     NOT_BORNE_OUT: "the profile warned about this format, and the run did not suffer from it",
     MISSED: "the run went wrong and the profile gave no warning that bears on it",
     NOT_MEASURED: "no run in this comparison measures it: no run in that format, a failed run, no throughput, "
-    "speed on a machine other than this one, the speed of a format this machine emulates (fp16 on a CPU without "
+    "speed on a machine other than this one, the speed of a format emulated where it ran (fp16 on a CPU without "
     "fp16 arithmetic), an fp32 verdict's loss or speed without an fp32 run, a run trained otherwise than the reference "
     "besides its precision, an fp16 run without the loss scaling the advice gives it, a reference that did not "
     "train, a run without summary.json, or a run that stopped early or is compared short of its end (runs of "

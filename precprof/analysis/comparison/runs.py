@@ -196,6 +196,9 @@ class RunResult:
     # a CPU without fp16 arithmetic); "" when it does not. Its speed-up is kept (the page draws it, beside the
     # note), but confirms or contradicts no check
     emulated: str = ""
+    # whether the machine it trained on computes fp16 in hardware, as its summary.json records it (every CUDA GPU;
+    # a CPU with AVX512-FP16 or AMX-FP16); None for a run recorded before precprof recorded it
+    fp16_native: bool | None = None
     # the run's ``SETUP_SETTINGS`` as its summary.json's config records them
     settings: dict[str, Any] = field(default_factory=dict)
     # the settings (in words) other than ``COMPARED_ANYWAY`` in which this run differs from the reference
@@ -343,6 +346,7 @@ def read_run(
     hw = summary.get(T.SUMMARY_HARDWARE) or {}
     device, name = hw.get("device"), hw.get("name")
     machine = ": ".join(str(x) for x in (device, name) if x) or "unknown"
+    fp16_native = hw.get("fp16_native")
     mem = _memory(tables.tables["memory"])
     status, reason = _status(summary, tables, live)
     init_scale = (
@@ -380,6 +384,7 @@ def read_run(
         last_scale_change_step=scale.last_change_step,
         steps_at_final_scale=scale.steps_at_final,
         machine=machine,
+        fp16_native=fp16_native if isinstance(fp16_native, bool) else None,
         target=str(name) if name else None,
         memory=mem,
         memory_total=sum(v for k, v in mem.items() if k not in T.MEMORY_PEAK_COMPONENTS),
