@@ -419,23 +419,30 @@ def test_a_model_cast_to_fp16_in_a_users_loop_trains_in_fp16_and_is_warned(tmp_p
 
 def test_a_grad_scaler_in_a_bf16_loop_is_said_to_have_nothing_to_do(tmp_path: Path) -> None:
     """bf16 autocast with a dynamic GradScaler (growth every 2 steps): its scale grew from 2^16 to 2^25 in 20
-    steps and nothing said the scaler was needless. An fp16 run's scaler gets no such finding."""
+    steps and nothing said the scaler was needless. An fp16 run's scaler gets no such finding. In an fp64 model
+    (``model.double()``) the finding said the scaled gradients would "overflow fp32 itself": they are float64,
+    and it names the dtype the run's weight gradients were recorded in."""
     found = {}
-    for dtype in (torch.bfloat16, torch.float16):
+    for dtype in (torch.bfloat16, torch.float16, torch.float64):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 1))
+        double = dtype is torch.float64
+        model = model.double() if double else model
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         scaler = torch.amp.GradScaler("cpu", growth_interval=2)
         out = tmp_path / str(dtype).split(".")[-1]
+        steps = 4 if double else 20
         with precprof.Profiler(model, optimizer=opt, scaler=scaler, sample_every=5, out=out) as prof:
-            for _ in range(20):
-                with torch.autocast("cpu", dtype=dtype):
-                    loss = (model(torch.randn(8, 16)).float() - torch.randn(8, 1)).pow(2).mean()
+            for _ in range(steps):
+                with torch.autocast("cpu", dtype=dtype, enabled=not double):
+                    x, y = torch.randn(8, 16, dtype=dtype if double else None), torch.randn(8, 1)
+                    loss = (model(x).to(y.dtype) - y).pow(2).mean()
                 backward_and_step(loss, opt, scaler)
                 opt.zero_grad()
                 prof.step(loss=loss.detach())
-        prof.save()
-        found[dtype] = {f.code: f for f in precprof.recommend(out).findings}
+        if not double:  # (the fp64 run is advised from the Profiler: no run directory to write)
+            prof.save()
+        found[dtype] = {f.code: f for f in precprof.recommend(prof if double else out).findings}
         steps = prof.tables()["steps"]
         if dtype is torch.bfloat16:
             assert not T.flags(steps[T.SKIPPED]).any() and steps[T.LOSS_SCALE].iloc[-1] == 2.0**25
@@ -445,8 +452,12 @@ def test_a_grad_scaler_in_a_bf16_loop_is_said_to_have_nothing_to_do(tmp_path: Pa
         "scaled its loss: the scale started at 2^16 (65536) and grew to 2^25 (33554432) over 20 steps."
         in f.message
     )
+    assert "until the scaled gradients overflow fp32 itself" in f.message
     assert f.numbers == {"start_scale": 2.0**16, "last_scale": 2.0**25}
     assert "scaler_unneeded" not in found[torch.float16]
+    f = found[torch.float64]["scaler_unneeded"]
+    assert "fp64 run" in f.title and "fp64 has a wider exponent range than fp32's" in f.message
+    assert "until the scaled gradients overflow fp64 itself" in f.message and "fp32 itself" not in f.message
 
 
 def _static_fp16_run(out: Path, scale: float) -> tuple[Finding, float]:

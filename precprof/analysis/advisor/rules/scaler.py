@@ -27,11 +27,31 @@ def _said(x: float) -> str:
     return _pow2(int(e)) if e == e and e == int(e) else _g(x)
 
 
+# the floating-point dtypes a gradient is held in, by the largest finite value they hold (the first to overflow
+# among a run's gradients is the narrowest), with the names the advisor's sentences use
+_GRADIENT_DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "float64": "fp64"}
+
+
+def _gradient_dtype(run: _Run, mode: str) -> str:
+    """The dtype a scaler's scaled gradients overflow first: the narrowest of the recorded weight gradients'
+    dtypes (the parameters' ``.grad``, what ``scaler.unscale_`` checks), fp64 in an fp64 run and fp32 otherwise
+    when no weight gradient was recorded (bf16-pure's are bf16)."""
+    grads = run.kind(T.WEIGHT_GRAD)
+    seen = (
+        {d for v in grads[T.DTYPE].dropna().unique() for d in str(v).split("|")} if not grads.empty else set()
+    )
+    known = [name for dtype, name in _GRADIENT_DTYPES.items() if dtype in seen]
+    if known:
+        return known[0]
+    return {FP64: "fp64", "bf16-pure": "bf16"}.get(mode, "fp32")
+
+
 def _rule_scaler_unneeded(run: _Run, plan: _Plan) -> None:
     """A loss scale in a run that did not train in fp16 (bf16, fp8 or fp32, as asked for or as the profiler saw
     it train): those formats have fp32's exponent range, so the gradients need no scaling. The scaler's scale
-    only grows (by growth_factor every growth_interval steps without an inf) until fp32 itself overflows; each
-    step pays its inf check's host sync."""
+    only grows (by growth_factor every growth_interval steps without an inf) until the gradients' own dtype
+    overflows (fp32, bf16 in a bf16-pure run, fp64 in an fp64 one: ``_gradient_dtype``); each step pays its inf
+    check's host sync."""
     mode = run.precision_trained
     if not mode or mode.startswith("fp16") or run.steps.empty or T.LOSS_SCALE not in run.steps:
         return
@@ -54,8 +74,8 @@ def _rule_scaler_unneeded(run: _Run, plan: _Plan) -> None:
             + ("a wider exponent range than fp32's" if mode == FP64 else "fp32's exponent range")
             + ": its "
             "gradients neither underflow nor overflow the way fp16's do. A dynamic scaler's scale only grows "
-            "while no gradient overflows, until the scaled gradients overflow fp32 itself and steps are "
-            "skipped; each step pays the scaler's inf check, a host sync.",
+            f"while no gradient overflows, until the scaled gradients overflow {_gradient_dtype(run, mode)} "
+            "itself and steps are skipped; each step pays the scaler's inf check, a host sync.",
             "Drop the GradScaler (or GradScaler(enabled=False)): scaler.scale(loss) becomes loss, "
             "scaler.step(opt) becomes opt.step().",
             numbers={"start_scale": first, "last_scale": last},
