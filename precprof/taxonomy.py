@@ -338,8 +338,33 @@ def requested_low_dtype(requested: str) -> str | None:
     return next((dt for p, dt in LOW_PRECISION_DTYPE.items() if req.startswith(p)), None)
 
 
+# the dtypes autocast computes nothing in: float32 ops it does not list stay float32, float64 ops it leaves alone
+FULL_PRECISION_DTYPES: tuple[str, ...] = ("float32", "float64")
+
+
+def narrowest_dtype(text: str) -> str:
+    """The one dtype an activation row stands for, where a module called more than once in a step joins the
+    dtypes of its calls ("bfloat16|float32": called inside autocast and outside it; "float32|float64": fed
+    float32 and float64 inputs): the first of them that is neither float32 nor float64 (a 16- or 8-bit dtype
+    one of its calls ran in: the low precision reached that layer), else float32, else float64; "" for a row
+    without its dtype. Every reader that classes a layer by its dtype (mixed precision active or not, a float32
+    layer, a float64 layer) goes by this, so that each layer is in one class: a float64 layer's every output
+    was float64, a float32 layer's none was 16-bit."""
+    parts = [p for p in text.split("|") if p]
+    low = [p for p in parts if p not in FULL_PRECISION_DTYPES]
+    return low[0] if low else next((d for d in FULL_PRECISION_DTYPES if d in parts), "")
+
+
+def narrowest_dtypes(dtypes: pd.Series) -> pd.Series:
+    """``narrowest_dtype`` of each row of a dtype column (missing values as ""), decided once per distinct
+    value."""
+    col = texts(dtypes).astype(object)
+    return col.map({v: narrowest_dtype(str(v)) for v in col.unique()}).astype(object)
+
+
 def matmul_activation_dtypes(layers: pd.DataFrame) -> dict[str, str]:
-    """Activation dtype per matmul layer at the last sampled step ({} when none was recorded)."""
+    """Activation dtype per matmul layer at the last sampled step ({} when none was recorded): the narrowest of
+    a layer called with several (``narrowest_dtype``)."""
     if layers.empty:
         return {}
     acts = layers[layers[T.TENSOR] == T.ACTIVATION]
@@ -347,7 +372,7 @@ def matmul_activation_dtypes(layers: pd.DataFrame) -> dict[str, str]:
     if acts.empty:
         return {}
     last = acts[acts[T.STEP] == acts[T.STEP].max()]
-    return dict(zip(last[T.MODULE], last[T.DTYPE].astype(str), strict=True))
+    return dict(zip(last[T.MODULE], narrowest_dtypes(last[T.DTYPE]), strict=True))
 
 
 def float32_matmul_layers(layers: pd.DataFrame) -> tuple[list[str], int]:
@@ -419,12 +444,14 @@ def mixed_precision_check(requested: str, layers: pd.DataFrame) -> dict[str, Any
 
     Returns ``{"mixed_precision_requested", "mixed_precision_active", "matmul_layers_float32",
     "matmul_layers"}`` for summary.json's ``capture`` block. Active means: a low precision was requested and
-    at least one matmul layer produced a tensor in something other than float32 or float64.
+    at least one matmul layer produced a tensor in something other than float32 or float64 (in one of its calls:
+    ``narrowest_dtype``).
     """
     dtypes = matmul_activation_dtypes(layers)
     n = len(dtypes)
-    # a float64 layer is no more active than a float32 one: autocast leaves float64 ops alone
-    full = [d for d in dtypes.values() if d in ("float32", "float64")]
+    # a float64 layer is no more active than a float32 one: autocast leaves float64 ops alone (a layer of
+    # several dtypes, by the narrowest: active where one of its calls ran in 16 bits)
+    full = [d for d in dtypes.values() if d in FULL_PRECISION_DTYPES]
     active = requested_low_dtype(requested) is not None and n > 0 and len(full) < n
     return {
         "mixed_precision_requested": requested,
@@ -435,12 +462,12 @@ def mixed_precision_check(requested: str, layers: pd.DataFrame) -> dict[str, Any
 
 
 def low_precision_seen(layers: pd.DataFrame) -> bool:
-    """Whether any module produced a 16-bit or 8-bit floating tensor (autocast or a pure mode was active)."""
+    """Whether any module produced a 16-bit or 8-bit floating tensor (autocast or a pure mode was active), in any
+    of its calls (``narrowest_dtype``)."""
     if layers.empty:
         return False
-    return bool(
-        layers[T.DTYPE].astype(str).isin(["float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"]).any()
-    )
+    low = ["float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"]
+    return bool(narrowest_dtypes(layers[T.DTYPE]).isin(low).any())
 
 
 def summary_requested(summary: Mapping[str, Any], default: str = "") -> str:

@@ -159,3 +159,54 @@ def test_a_model_mixing_float64_and_float32_layers_under_autocast_trains_in_auto
     )
     found = advisor.recommend(tables, summary=summary).finding("float64_layers")
     assert found is not None and found.modules == ["big"] and found.severity == "warning"
+
+
+class _CastLinear(nn.Linear):
+    """A linear layer that computes in its input's dtype (its weight cast to it, as adapters and some quantised
+    layers do): fed float32 and float64 inputs in one step, its activation row joins both dtypes."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.weight.to(x.dtype), self.bias.to(x.dtype))
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_a_layer_called_with_two_dtypes_is_classed_by_the_narrowest_everywhere(autocast: bool) -> None:
+    """Each layer of the model is called twice a step, on float32 and on float64 inputs: its row is
+    "float32|float64" (no autocast) or "bfloat16|float64" (bf16 autocast, which leaves the float64 call alone).
+    float64_layers split the row and called the layer float64 ("every output float64"; critical, "bf16 autocast
+    leaves alone") while mixed_precision_check compared it whole and called bf16 active in both runs, and the
+    report's precision check, comparing whole too, said "NOT active" in the autocast run. A layer is classed by
+    the narrowest dtype of its calls, in all three: the first run is a float32 one (bf16 not active, its layers
+    float32), the second a bf16 one; neither has a float64 layer."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_CastLinear(8, 8), nn.Tanh(), _CastLinear(8, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with precprof.Profiler(model, opt, sample_every=1) as prof:
+        x = torch.randn(6, 8)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = model(x).float().pow(2).mean() + model(x.double()).float().pow(2).mean()
+        loss.backward()
+        opt.step()
+        prof.step(loss=loss.detach())
+    tables = prof.tables()
+    summary = {T.SUMMARY_CAPTURE: prof.summary(), T.SUMMARY_CONFIG: {"precision": "bf16"}}
+    layers = tables["layers"]
+    acts = layers[(layers[T.TENSOR] == T.ACTIVATION) & layers[T.MODULE].isin(["0", "2"])]
+    low = "bfloat16" if autocast else "float32"
+    assert {frozenset(str(d).split("|")) for d in acts[T.DTYPE]} == {frozenset({low, "float64"})}
+    check = taxonomy.mixed_precision_check("bf16", layers)
+    assert check["mixed_precision_active"] == autocast
+    assert check["matmul_layers_float32"] == (0 if autocast else 2) and check["matmul_layers"] == 2
+    rec = advisor.recommend(tables, summary=summary)
+    assert rec.finding("float64_layers") is None
+    inactive = rec.finding("mixed_precision_inactive")
+    assert (inactive is None) == autocast
+    assert autocast or (inactive is not None and inactive.modules == ["0", "2"])
+    verdict = S.precision_check(layers, tables["memory"], summary)["verdict"]
+    assert "ran in float64" not in verdict
+    assert verdict.startswith(
+        "Mixed precision is active: 2 of 2 modules with parameters produce bfloat16 activations."
+        if autocast
+        else "Mixed precision was asked for (bf16) but is NOT active: every activation of a module with parameters "
+        "is float32 or float64 ("
+    ), verdict

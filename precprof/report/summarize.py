@@ -605,7 +605,10 @@ def precision_check(layers: pd.DataFrame, memory: pd.DataFrame, summary: Mapping
         )
     with_params = set(layers.loc[layers[T.TENSOR] == T.WEIGHT, T.MODULE])
     acts = layers[(layers[T.TENSOR] == T.ACTIVATION) & layers[T.MODULE].isin(with_params)]
-    low = acts[acts[T.DTYPE].astype(str).isin(formats.LOW_PRECISION_DTYPES)]
+    # a module called with several dtypes in a step (in and out of autocast) by the narrowest, as the capture's
+    # mixed_precision_check and the advisor class it: low where one of its calls ran in 16 or 8 bits
+    narrow = taxonomy.narrowest_dtypes(acts[T.DTYPE])
+    low = acts[narrow.isin(formats.LOW_PRECISION_DTYPES).to_numpy()]
     active = not low.empty
     # a loop of its own that ran torchao's FP8 layers without autocast asked nothing of the activations: their FP8
     # GEMMs ran, their outputs keep their input's float32 (the built-in loop's fp8 asks for bf16 autocast too)
@@ -615,8 +618,7 @@ def precision_check(layers: pd.DataFrame, memory: pd.DataFrame, summary: Mapping
     autocast = capture.get("autocast") if isinstance(capture, Mapping) else None
     on = isinstance(autocast, Mapping) and bool(autocast.get("enabled"))
     # modules with parameters that ran in float64 (a model.double() model): autocast leaves float64 ops alone
-    dtypes = T.texts(acts[T.DTYPE]).astype(str)  # (a row without its dtype: "")
-    f64 = acts.loc[dtypes.map(lambda d: "float64" in d.split("|")), T.MODULE].nunique()
+    f64 = acts.loc[(narrow == "float64").to_numpy(), T.MODULE].nunique()  # (a row without its dtype: "")
     wide = _wide_words(acts[~acts.index.isin(low.index)])
     if acts.empty:
         verdict, ok = "No activations of modules with parameters were recorded.", True
@@ -640,7 +642,7 @@ def precision_check(layers: pd.DataFrame, memory: pd.DataFrame, summary: Mapping
         ok = False
     elif active:
         n_mod = low[T.MODULE].nunique()
-        dts = ", ".join(sorted(low[T.DTYPE].astype(str).unique()))
+        dts = ", ".join(sorted(narrow[low.index].unique()))
         verdict = (
             f"Mixed precision is active: {n_mod} of {acts[T.MODULE].nunique()} modules with parameters "
             f"produce {dts} activations"

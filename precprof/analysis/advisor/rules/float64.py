@@ -15,9 +15,11 @@ from precprof.analysis.advisor.text import _listing, _pct
 
 def float64_matmul_layers(run: _Run) -> tuple[list[str], int]:
     """(the matmul layers whose activations were float64 at the last sampled step, in forward order, how many
-    matmul layers there were)."""
+    matmul layers there were). A layer called with several dtypes is one of them only when none of its calls
+    was float32 or 16-bit (``taxonomy.narrowest_dtype``): a float32 call is mixed_precision_inactive's, a 16-bit
+    one made mixed precision active there, as ``taxonomy.mixed_precision_check`` counts it."""
     dtypes = taxonomy.matmul_activation_dtypes(run.layers)
-    return run.sort(m for m, d in dtypes.items() if "float64" in str(d).split("|")), len(dtypes)
+    return run.sort(m for m, d in dtypes.items() if d == "float64"), len(dtypes)
 
 
 def _float64_share(run: _Run) -> float | None:
