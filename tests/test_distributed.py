@@ -346,7 +346,7 @@ def test_summary_describes_ddp(runs: Path) -> None:
     )
     nan = ddp["nonfinite_by_rank"][str(W.NAN_RANK)]["nan"]
     assert rows["non-finite values by rank"] == (
-        f"rank {W.NAN_RANK}: {nan:,} nan on 1 sampled step(s); first at step {W.NAN_STEP} in module 0 "
+        f'rank {W.NAN_RANK}: {nan:,} nan on 1 sampled step(s); first at step {W.NAN_STEP} in module "0" '
         f"({T.ACTIVATION})"
     )
     assert rows["memory of the ranks"].startswith("the most any rank held on step ")
