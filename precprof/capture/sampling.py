@@ -14,7 +14,12 @@ run's time, 3% by default). It samples
   non-blocking copy, read when it has landed (``event.query()``): usually the next step or the one after.
   The first such step of each kind is always sampled; later ones while the overhead stays within
   ``TRIGGER_HEADROOM`` times the budget;
-- otherwise, the next step whenever sampling it keeps the overhead so far within the budget.
+- otherwise, the next step whenever sampling it keeps the overhead so far within the budget. What a run records
+  grows with its sampled steps (the run directory, and the memory and time its end takes to advise and render:
+  a 48-layer Llama's rows of 100 sampled steps replayed 5 times took 3.8 GB and 50 s of CPU to advise), so the
+  budget's pace holds for the first ``DENSE_SAMPLES`` budgeted samples; after them each ``THIN_EVERY`` more come
+  at least twice as far apart as the ones before (from twice the dense samples' mean gap on), and a run's
+  samples grow with the log of its length, not with it (``thin_gap``).
 
 Under torch.distributed every rank must sample the same steps (a sampled step ends in collectives), while
 each measures its own times: there the next budgeted step is planned at the end of each sampled step
@@ -93,6 +98,8 @@ COST_WINDOW = 16  # sampled steps whose mean added time is what the next one is 
 MIN_COST = 0.02  # ... at least this share of an unsampled step's time (a sampled step does more)
 SPACING = 0.5  # budgeted samples come at least this share of the budget's pace apart (``_spacing``)
 REFRESH_EVERY = 16  # budgeted steps sampled in a row before an unsampled one is timed again
+DENSE_SAMPLES = 200  # budgeted samples at the budget's pace; after them ...
+THIN_EVERY = 100  # ... each this many more come at least twice as far apart (``Sampler.thin_gap``)
 COMPILES_IN_A_ROW = (
     3  # unsampled steps that compiled in a row, left out; after them, compiling is the step's own
 )
@@ -141,6 +148,9 @@ class Sampler:
     _compiled_in_a_row: int = 0  # the last unsampled steps that compiled, in a row
     _since_unsampled: int = 0  # steps sampled since the last unsampled one
     next_step: int | None = None  # with ``synchronized``, the next budgeted step
+    budgeted_samples: int = 0  # steps sampled for the budget (``REASON_BUDGET``)
+    _first_budgeted: int = 0  # the first of them
+    thin_gap: int = 0  # the fewest steps between budgeted samples past ``DENSE_SAMPLES`` (0 before)
 
     @property
     def compile_steps(self) -> int:
@@ -167,6 +177,8 @@ class Sampler:
             return ""
         if reason == REASON_FIRST:
             self._firsts += 1
+        if reason == REASON_BUDGET:
+            self._thin(step)
         if reason and self.first_sampled is None:
             self.first_sampled = step
         return reason
@@ -186,12 +198,25 @@ class Sampler:
         trigger, self._pending_trigger = self._pending_trigger, ""
         if trigger and (trigger not in self.reasons or self._fits(TRIGGER_HEADROOM * self.budget)):
             return trigger
-        if self._base_in_doubt() or step - self._last_budget < self._spacing():
+        if self._base_in_doubt() or step - self._last_budget < max(self._spacing(), self.thin_gap):
             return ""
         if not self._fits(self.budget):
             return ""
         self._last_budget = step
         return REASON_BUDGET
+
+    def _thin(self, step: int) -> None:
+        """A budgeted sample taken at ``step``: past ``DENSE_SAMPLES`` of them, ``thin_gap`` starts at twice their
+        mean gap and doubles every ``THIN_EVERY`` more (the run's data bounded, see the module docstring)."""
+        self.budgeted_samples += 1
+        if self.budgeted_samples == 1:
+            self._first_budgeted = step
+        past = self.budgeted_samples - DENSE_SAMPLES
+        if past == 0:
+            mean_gap = (step - self._first_budgeted) / (DENSE_SAMPLES - 1)
+            self.thin_gap = max(2, math.ceil(2 * mean_gap))
+        elif past > 0 and past % THIN_EVERY == 0:
+            self.thin_gap *= 2
 
     def _spacing(self) -> int:
         """The fewest steps between two budgeted samples: ``SPACING`` times the gap at which sampled steps spend
@@ -238,7 +263,7 @@ class Sampler:
         cost = self.step_cost_s(base)
         # g unsampled-or-sampled steps from now: spent + cost <= budget * (total + g * base + cost)
         need = (self.spent_s(base) + cost) / self.budget - self.total_s - cost
-        return max(1, math.ceil(need / base))
+        return max(1, math.ceil(need / base), self.thin_gap)
 
     @property
     def unsampled_s(self) -> float | None:
@@ -418,6 +443,12 @@ class Sampler:
         if self.budgeted:
             out["budget"] = self.budget
             out["synchronized"] = self.synchronized
+            # past DENSE_SAMPLES budgeted samples, the fewest steps between two (the run's data bounded)
+            out["thinned"] = (
+                {"after": DENSE_SAMPLES, "doubling_every": THIN_EVERY, "least_gap": self.thin_gap}
+                if self.thin_gap
+                else None
+            )
         out["overhead"] = self.overhead
         out["overhead_sampled"] = self.sampled_overhead  # the part the budget bounds
         out["overhead_every_step"] = self.own_share  # Profiler.step() on every step, sampled or not

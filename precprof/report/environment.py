@@ -843,6 +843,14 @@ def sampling_text(
             f"; {F.count(compiled)} unsampled step{'s' if compiled > 1 else ''} in which torch.compile compiled "
             "left out of the run's time"
         )
+    thinned = _map(s.get("thinned"))
+    after, every, gap = (_int(thinned.get(k)) for k in ("after", "doubling_every", "least_gap"))
+    if after and every and gap:
+        text += (
+            f"; past {F.count(after)} sampled within the budget, each {F.count(every)} more came at least twice as "
+            f"far apart (at the end at least {F.count(gap)} steps apart), so that what the run records grows with "
+            "the log of its length"
+        )
     if s.get("synchronized"):
         text += "; every rank sampled the same steps"
     return text
