@@ -48,19 +48,23 @@ def _train(
     starts: dict[str, int] | None = None,
     profiled: bool = True,
     autocast: bool = True,
+    weight_decay: float = 0.01,
 ) -> tuple[precprof.Profiler, list[dict[str, int]]]:
     """``steps`` sampled steps under bf16 autocast with AdamW on random (in, out) = ``dims`` data, the loss
     weighted by ``weight``, the learning rate rising linearly from 0 over ``warmup`` steps where given (the HF
     Trainer's warmup), the modules (or parameters) in ``starts`` in a param group of their own whose learning
     rate is 0 before the step given; returns the Profiler and, per step, the nonzero values of each trained layer's weight
     gradient as backward left it (read before the optimizer steps). ``lrs`` gets each step's learning rate. Without
-    ``profiled`` the same loop runs with the Profiler neither attached nor stepped; without ``autocast``, in fp32."""
+    ``profiled`` the same loop runs with the Profiler neither attached nor stepped; without ``autocast``, in fp32;
+    ``weight_decay``: AdamW's (its default, 0.01, moves a weight whose gradient is zero)."""
     torch.manual_seed(0)
     starts = starts or {}
     named = dict(model.named_parameters())
     late = {m: [named[m]] if m in named else list(model.get_submodule(m).parameters()) for m in starts}
     rest = [p for p in model.parameters() if all(p is not q for ps in late.values() for q in ps)]
-    opt = torch.optim.AdamW([{"params": rest}, *({"params": ps} for ps in late.values())], lr=1e-3)
+    opt = torch.optim.AdamW(
+        [{"params": rest}, *({"params": ps} for ps in late.values())], lr=1e-3, weight_decay=weight_decay
+    )
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt,
         [
@@ -489,13 +493,31 @@ class _Routed(nn.Module):
         return self.head(out)
 
 
-def test_an_expert_no_token_reached_is_named_with_its_cause() -> None:
-    prof, nonzero = _train(_Routed())
+@pytest.mark.parametrize("weight_decay", [0.01, 0.0])
+def test_an_expert_no_token_reached_is_named_with_its_cause(weight_decay: float) -> None:
+    """An expert called on no token: its weight gradient is zero on every step. Under AdamW's weight decay
+    (0.01) its weight moves all the same; with weight_decay=0 (precprof train's default) AdamW applies exactly 0
+    and it never moves, which the run's own update rows show (update_rms 0, no update on every sampled
+    element): the finding said "weight decay or momentum alone moved them" of both. It says what the rows show."""
+    model = _Routed()
+    before = model.experts[1].weight.detach().clone()
+    prof, nonzero = _train(model, weight_decay=weight_decay)
     assert [m for m in nonzero[0] if all(step[m] == 0 for step in nonzero)] == ["experts.1"]
     f = precprof.recommend(prof, hardware="h100", config=ALL).finding("no_gradient")
     assert f is not None and f.modules == ["experts.1"]
     assert "No token reached experts.1 on any sampled step (an expert the router sent none to)" in f.message
     assert f.remedy.startswith("Balance the router's load")
+    moved = not torch.equal(before, model.experts[1].weight)
+    assert moved == (weight_decay > 0)
+    said = (
+        "these weights did not learn; weight decay or momentum alone moved them (a sampled update changed them "
+        "on 3 sampled step(s))"
+        if moved
+        else "these weights did not learn; they did not move either: every sampled element's update was zero "
+        "on each of the 3 sampled step(s) that recorded one"
+    )
+    assert said in f.message, f.message
+    assert moved == ("moved them" in f.message)
 
 
 class _Segments(nn.Module):

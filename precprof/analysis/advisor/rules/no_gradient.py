@@ -92,6 +92,85 @@ def _dead_layers(run: _Run) -> _Dead | None:
     return _Dead(dead, len(every), int(rows[T.STEP].nunique()), recorded, len(stepped))
 
 
+def _moved(run: _Run, layers: list[str]) -> dict[str, tuple[str, int]]:
+    """Per layer of ``layers``, what its weight's sampled updates (``weight_update`` rows) show, and on how many
+    sampled steps: "moved" (an update changed a sampled element: weight decay or momentum, the gradient being
+    zero), "lost" (updates were intended, none changed the weight as it is held), "still" (every sampled
+    element's update was zero on every sampled step: AdamW with weight_decay=0 on a gradient that was always
+    zero applies exactly 0), or "unrecorded" (no update row: weight updates not recorded, or a parameter the
+    optimizer the Profiler follows does not hold)."""
+    wu = run.kind(T.WEIGHT_UPDATE)
+    wu = wu[T.texts(wu[T.PARAM]) == T.WEIGHT]
+    names = T.texts(wu[T.MODULE])
+    out: dict[str, tuple[str, int]] = {}
+    for m in layers:
+        rows = wu[(names == m).to_numpy()]
+        if rows.empty:
+            out[m] = ("unrecorded", 0)
+            continue
+        held = (
+            pd.to_numeric(rows[T.LOST_UPDATE_HELD], errors="coerce").fillna(0.0)
+            if T.LOST_UPDATE_HELD in rows
+            else 0.0
+        )
+        intended = rows[T.NUMEL] - rows[T.ZEROS]
+        landed = intended - held
+        if (landed > 0).any():
+            out[m] = ("moved", int(rows.loc[landed > 0, T.STEP].nunique()))
+        elif (intended > 0).any():
+            out[m] = ("lost", int(rows.loc[intended > 0, T.STEP].nunique()))
+        else:
+            out[m] = ("still", int(rows[T.STEP].nunique()))
+    return out
+
+
+def _moved_said(run: _Run, layers: list[str]) -> str:
+    """Whether the weights of ``layers`` moved all the same, as their sampled updates show (``_moved``), in words
+    that follow "these weights did not learn"; hedged only for those the run recorded no update of."""
+    moved = _moved(run, layers)
+    by: dict[str, list[str]] = {}
+    for m in layers:
+        by.setdefault(moved[m][0], []).append(m)
+    lim = run.cfg.max_listed_modules
+
+    def whom(state: str) -> tuple[str, str]:
+        ms = by[state]
+        if len(ms) == len(layers):
+            return "they", "them"
+        listed = _listing(ms, lim)
+        return listed, listed
+
+    def steps(state: str) -> int:
+        return max(moved[m][1] for m in by[state])
+
+    parts = []
+    if "still" in by:
+        who, _ = whom("still")
+        parts.append(
+            f"{who} did not move either: every sampled element's update was zero on each of the "
+            f"{steps('still')} sampled step(s) that recorded one"
+        )
+    if "moved" in by:
+        _, them = whom("moved")
+        parts.append(
+            f"weight decay or momentum alone moved {them} (a sampled update changed {them} on "
+            f"{steps('moved')} sampled step(s))"
+        )
+    if "lost" in by:
+        _, them = whom("lost")
+        parts.append(
+            f"weight decay or momentum alone made updates to {them} (on {steps('lost')} sampled step(s)), none "
+            f"of which changed {them} as held (lost_update_held)"
+        )
+    if "unrecorded" in by:
+        _, them = whom("unrecorded")
+        parts.append(
+            f"the run recorded no update of {them} (weight updates off, or not in the optimizer the Profiler "
+            f"follows): weight decay or momentum may have moved {them}"
+        )
+    return "; ".join(parts)
+
+
 def _grad_casts(run: _Run) -> dict[str, tuple[NumberFormat, bool]]:
     """Per torchao Float8Linear of the run (``capture.fp8_recipe``), the FP8 format its backward casts the output
     gradient to and whether its recipe rounds scales to powers of two; {} for a run without any."""
@@ -604,7 +683,8 @@ def _remedy(run: _Run, c: _Causes) -> str:
 
 def _rule_no_gradient(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
     """Layers whose weight gradient was zero everywhere on every sampled step, also after the optimizer had stepped
-    with a nonzero learning rate: they did not learn (weight decay and momentum alone moved them). Critical:
+    with a nonzero learning rate: they did not learn (whether weight decay or momentum moved them all the same,
+    their sampled updates say: ``_moved``). Critical:
     nothing else says so, and a verdict on the other numbers reads as a healthy run. Layers behind a weight of
     zeros that a sampled update moved are left out (they get a gradient from the next step on: LoRA's B under a
     learning rate that starts later); a warning where every layer is behind one whose learning rate was 0 on
@@ -634,7 +714,7 @@ def _rule_no_gradient(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -
             + (": a weight of zeros stopped it" if behind_idle == n else ""),
             f"Every weight-gradient value of {n} layer(s) ({_listing(dead.layers, lim)}) was an exact zero on "
             f"{steps}, while the optimizer stepped on {dead.optimizer_steps} sampled step(s) with a nonzero learning "
-            "rate: these weights did not learn, weight decay or momentum alone moved them. "
+            f"rate: these weights did not learn; {_moved_said(run, dead.layers)}. "
             + ". ".join(_causes_said(run, c))
             + ".",
             _remedy(run, c),
