@@ -520,6 +520,61 @@ def test_an_expert_no_token_reached_is_named_with_its_cause(weight_decay: float)
     assert moved == ("moved them" in f.message)
 
 
+class _DenseMoE(nn.Module):
+    """Two experts run densely on every token, each output multiplied by its routing mask (as a dense MoE does),
+    expert 1 never routed (its router bias -10): its output gradient is exactly zero, made by the mask multiply,
+    while its sum with expert 0's reaches ``ln`` and ``head``. The experts sit in a module of their own (``moe``,
+    which holds no parameter and is not recorded) or, ``flat``, beside ``ln`` in the model itself."""
+
+    def __init__(self, flat: bool) -> None:
+        super().__init__()
+        router, experts = nn.Linear(16, 2), nn.ModuleList([nn.Linear(16, 16), nn.Linear(16, 16)])
+        with torch.no_grad():
+            router.bias.copy_(torch.tensor([0.0, -10.0]))
+        self.moe = None if flat else nn.ModuleDict({"router": router, "experts": experts})
+        self.router, self.e0, self.e1 = (router, *experts) if flat else (None, None, None)
+        self.ln, self.head = nn.LayerNorm(16), nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.moe is not None:
+            router, experts = self.moe["router"], list(self.moe["experts"])
+        else:
+            router, experts = self.router, [self.e0, self.e1]
+        p, idx = router(x).float().softmax(-1).max(-1)
+        mixed = sum(e(x) * ((idx == i) * p)[:, None] for i, e in enumerate(experts))
+        return self.head(self.ln(x + mixed))
+
+
+@pytest.mark.parametrize("flat", [False, True])
+def test_a_mask_between_a_layer_and_the_next_module_is_not_blamed_on_that_module(flat: bool) -> None:
+    """A dense MoE's unrouted expert: no_gradient said 'the gradient stopped at ln (LayerNorm) ... what its
+    backward passed back to moe.experts.1 was zero everywhere', which it was not: ln's backward feeds the sum of
+    both experts' outputs, and expert 0 gets a nonzero gradient through it; the zero is the mask multiply's.
+    Where a module's own code runs between them (moe, calling the experts) it names that module; where the
+    experts sit beside ln, it says expert 0 got a nonzero gradient with nothing recorded between it and ln."""
+    prof, nonzero = _train(_DenseMoE(flat))
+    e1, e0 = ("e1", "e0") if flat else ("moe.experts.1", "moe.experts.0")
+    assert all(step[e1] == 0 and step[e0] > 0 for step in nonzero)
+    f = precprof.recommend(prof, hardware="h100", config=ALL).finding("no_gradient")
+    assert f is not None and f.modules == [e1]
+    assert "The gradient stopped at ln" not in f.message and "backward passed back to" not in f.message
+    assert (
+        f"The output gradient of {e1} held no nonzero value, while that of ln (LayerNorm), the next module "
+        f"recorded after {e1} in forward order, did; the run does not tell that ln's backward zeroed it: "
+        in f.message
+    ), f.message
+    assert "a function between them may have zeroed the gradient (a mask, a routing weight" in f.message
+    if flat:
+        assert (
+            "e0, called by the same module as e1 and before ln, got a nonzero gradient while no module recorded "
+            "between e0 and ln did" in f.message
+        )
+    else:
+        assert (
+            "moe, which calls moe.experts.1, runs code of its own between moe.experts.1 and ln" in f.message
+        )
+
+
 class _Segments(nn.Module):
     """Token embeddings plus a segment embedding with padding_idx=0 that is fed only 0, the padding id (reviewer
     h100): torch passes that row no gradient, so seg never learns."""

@@ -496,6 +496,71 @@ def _fp8_said(run: _Run, c: _Causes) -> str:
     )
 
 
+def _around(m: str, stop: str) -> tuple[str, bool] | None:
+    """The module whose own forward runs between ``m`` and ``stop`` where they are not called by the same one:
+    the outermost ancestor of ``m`` that is not one of ``stop`` (an MoE module calling its experts, its own code
+    masking their outputs before they reach ``stop``), else that of ``stop`` (a block calling ``stop``), and
+    whether it is ``m``'s; None where the two have one parent (the code between them is that parent's, as in a
+    Sequential)."""
+    mine, theirs = _ancestors(m), _ancestors(stop)
+    own = [a for a in mine if a not in set(theirs)]
+    if own:
+        return own[0], True
+    other = [a for a in theirs if a not in set(mine)]
+    return (other[0], False) if other else None
+
+
+def _fed_too(m: str, stop: str, seq: list[str], grads: pd.DataFrame) -> str | None:
+    """Another module called by ``m``'s parent, before ``stop`` in forward order, whose output gradient held a
+    nonzero value while every module recorded between it and ``stop`` held none: the gradient that reached it
+    came back through ``stop`` as ``m``'s would (two experts whose outputs are summed before ``stop``), so what
+    ``stop``'s backward passed back was not zero, and the zero ``m`` got was made between them (a mask); None
+    where there is none."""
+    if stop not in seq:
+        return None
+    parent = _ancestors(m)[-1:]
+    end = seq.index(stop)
+    for i, other in enumerate(seq[:end]):
+        if other == m or _ancestors(other)[-1:] != parent or grads.at[other, "nonzero"] <= 0:
+            continue
+        if all(grads.at[s, "nonzero"] <= 0 for s in seq[i + 1 : end]):
+            return other
+    return None
+
+
+def _apart_said(run: _Run, stop: str, layers: list[str]) -> str:
+    """Why the run does not tell that ``stop``'s backward passed back the zeros ``layers`` got, where it does
+    not: a module's own code runs between them (``_around``), or another module of their parent got a nonzero
+    gradient back through ``stop`` (``_fed_too``); "" where neither."""
+    grads = _output_grads(run)
+    seq = run.sort(_innermost(str(x) for x in grads.index))
+    listed = _listing(layers, run.cfg.max_listed_modules)
+    for m in layers:
+        around = _around(m, stop)
+        if around is not None:
+            holder, own = around
+            kind = run.types.get(holder, "")
+            named = _name(holder) + (f" ({kind})" if kind else "")
+            if own:
+                return (
+                    f"{named}, which calls {_name(m)}, runs code of its own between {_name(m)} and {_name(stop)}, "
+                    "which the run does not record"
+                )
+            return (
+                f"{_name(stop)} is called by {named}, which runs code of its own between {listed} and "
+                f"{_name(stop)}, which the run does not record"
+            )
+    for m in layers:
+        other = _fed_too(m, stop, _innermost(seq), grads)
+        if other is not None:
+            return (
+                f"{_name(other)}, called by the same module as {_name(m)} and before {_name(stop)}, got a nonzero "
+                f"gradient while no module recorded between {_name(other)} and {_name(stop)} did, so what "
+                f"{_name(stop)}'s backward passed back was not zero everywhere"
+            )
+    return ""
+
+
 def _stop_said(run: _Run, stop: str, layers: list[str]) -> str:
     """Where the gradient flowing back to ``layers`` stopped, in words, with a dead ReLU named as such. ``stop``
     is only the first module after them in forward order whose output gradient held a nonzero value: where it is
@@ -514,12 +579,21 @@ def _stop_said(run: _Run, stop: str, layers: list[str]) -> str:
             f"a multiplication by zero or a mask) or sits beside {it} (a parallel branch: then the loss does not "
             f"depend on {it}, a loss term weighted 0, every output masked out)"
         )
+    listed = _listing(layers, run.cfg.max_listed_modules)
     said = (
         f"the gradient stopped at {_name(stop)} ({kind}): its output gradient held nonzero values, and what its "
-        f"backward passed back to {_listing(layers, run.cfg.max_listed_modules)} was zero everywhere"
+        f"backward passed back to {listed} was zero everywhere"
     )
     if _dead_mask(run, stop):
         return said + f" (its output was zero on every sampled step: every unit was off, a dead {kind})"
+    apart = _apart_said(run, stop, layers)
+    if apart:
+        return (
+            f"the output gradient{'s' if len(layers) > 1 else ''} of {listed} held no nonzero value, while that "
+            f"of {_name(stop)} ({kind}), the next module recorded after {listed} in forward order, did; the run "
+            f"does not tell that {_name(stop)}'s backward zeroed it: {apart}, and a function between them may "
+            "have zeroed the gradient (a mask, a routing weight or a gate at zero, a multiplication by zero)"
+        )
     return said + " (a mask, a gate at zero, or an op whose backward is zero there)"
 
 
