@@ -240,6 +240,61 @@ def test_the_share_pushed_says_it_is_of_the_judged_tensors_alone() -> None:
     )
 
 
+class _Shared(nn.Module):
+    """One linear layer called 3 times a forward (ALBERT's sharing), and a head called once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.fc, self.head = nn.Embedding(64, 32), nn.Linear(32, 32), nn.Linear(32, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        for _ in range(3):
+            h = h + nn.functional.gelu(self.fc(h))
+        return self.head(h)
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_a_layer_called_several_times_a_forward_is_not_sent_to_a_run_of_one_micro_batch(
+    micro_batches: int,
+) -> None:
+    """A layer called 3 times a forward, in a run of one micro-batch on one rank: the finding told the user to
+    'profile a few steps of one micro-batch each (a run without gradient accumulation, on one rank)', which this
+    run is, and no run of the model gives one call a step. It says such a layer cannot be judged per call; under
+    gradient accumulation, the remedy stays for the layers called once a forward (head), fc apart."""
+    torch.manual_seed(0)
+    model = _Shared()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with precprof.Profiler(model, optimizer=opt, sample_every=1, memory=False) as prof:
+        for _ in range(2):
+            for _ in range(micro_batches):
+                x = torch.randint(0, 64, (64,))
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    logits = model(x)
+                (nn.functional.cross_entropy(logits.float(), x) / micro_batches).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            prof.step()
+    f = precprof.recommend(prof, hardware="h100").finding("fp8_eligibility")
+    assert f is not None
+    said = "called more than once a step cannot be judged per call, in this run or any other"
+    if micro_batches == 1:
+        assert "The outlier check could not judge an input or output gradient of 1 layer(s) (fc)" in f.message
+        assert "(a layer called more than once in a forward: up to 3 calls a step per backward)" in f.message
+        assert f". A layer {said}" in f.message
+        assert "a run without gradient accumulation" not in f.message, f.message
+        return
+    assert "could not judge an input or output gradient of 2 layer(s) (fc, head)" in f.message, f.message
+    assert (
+        f"fc is called more than once in a forward (up to 3 calls a step per backward): a layer {said}"
+        in (f.message)
+    )
+    assert (
+        "To judge head, profile a few steps of one micro-batch each (a run without gradient accumulation"
+        in f.message
+    )
+
+
 def test_a_weight_spread_wide_by_nature_is_not_held_back() -> None:
     """A weight whose values spread over 40 binades has most of them below e4m3's smallest normal under any
     scale: its largest values do not put them there, and it stays eligible (as issue 34's gradient tail)."""

@@ -551,22 +551,62 @@ def _pushed_words(most: float | None, module: str | None, pooled: list[str]) -> 
     )
 
 
-def _pooled_words(by_key: Mapping[Any, Mapping[str, Any]], linear: list[str], limit: int) -> str:
+def _called_again(run: _Run, layers: list[str]) -> dict[str, int]:
+    """The layers of ``layers`` called more than once in a forward (a layer shared across calls, ALBERT's
+    blocks): on a sampled step, more calls of their own (``activation`` rows) than backward passes into their
+    weight's gradient (``weight_grad`` rows: the micro-batches, summed over ranks, as the calls are), with the
+    most calls per backward; a layer without a weight gradient (frozen) is not among them."""
+    acts, grads = run.kind(T.ACTIVATION), run.kind(T.WEIGHT_GRAD)
+    grads = grads[T.texts(grads[T.PARAM]) == T.WEIGHT]
+    called = acts.groupby([T.texts(acts[T.MODULE]).to_numpy(), acts[T.STEP].to_numpy()])[T.CALLS].sum()
+    passes = grads.groupby([T.texts(grads[T.MODULE]).to_numpy(), grads[T.STEP].to_numpy()])[T.CALLS].sum()
+    both = pd.concat({"calls": called, "passes": passes}, axis=1).dropna()
+    both = both[(both["passes"] > 0) & (both["calls"] > both["passes"])]
+    per = (both["calls"] / both["passes"]).groupby(level=0).max()
+    return {m: math.ceil(float(per[m])) for m in layers if m in per.index}
+
+
+def _pooled_words(run: _Run, by_key: Mapping[Any, Mapping[str, Any]], linear: list[str], limit: int) -> str:
     """The words saying that the outlier check did not judge an input or output gradient of the layers whose
-    tensors were read in several calls a step (``_pooled``), and how to judge them ("" when there are none)."""
+    tensors were read in several calls a step (``_pooled``), and how to judge them ("" when there are none): a
+    run of one micro-batch on one rank, but for the layers called more than once in a forward
+    (``_called_again``), which no run judges per call (it told a shared layer's run, one micro-batch on one rank
+    already, to profile one)."""
     layers = _pooled_layers(by_key, linear)
     if not layers:
         return ""
     most, where = _most(by_key, linear, "pushed_pooled")
-    return (
-        f". The outlier check could not judge an input or output gradient of {len(layers)} layer(s) "
-        f"({_listing(layers, limit)}): it was read in several calls a step (gradient accumulation's "
-        "micro-batches, a layer called more than once, several ranks), which the run records together, as one "
-        "histogram under the largest value of them all, where a tensorwise recipe scales each call on its own; "
-        "read at the largest call's scale, their largest values "
-        f"push {_pct(most)} ({where}), which does not decide. To judge them, profile a few steps of one "
-        "micro-batch each (a run without gradient accumulation, on one rank)"
+    again = _called_again(run, layers)
+    rest = [m for m in layers if m not in again]
+    why = (
+        "gradient accumulation's micro-batches, a layer called more than once, several ranks"
+        if rest
+        else f"a layer called more than once in a forward: up to {max(again.values())} calls a step per backward"
     )
+    said = (
+        f". The outlier check could not judge an input or output gradient of {len(layers)} layer(s) "
+        f"({_listing(layers, limit)}): it was read in several calls a step ({why}), which the run records "
+        "together, as one histogram under the largest value of them all, where a tensorwise recipe scales each "
+        "call on its own; read at the largest call's scale, their largest values "
+        f"push {_pct(most)} ({where}), which does not decide"
+    )
+    if again:
+        shared = run.sort(again)
+        said += (
+            f". {_listing(shared, limit)} {'is' if len(shared) == 1 else 'are'} called more than once in a "
+            f"forward (up to {max(again.values())} calls a step per backward): a layer"
+            if rest
+            else ". A layer"
+        ) + (
+            " called more than once a step cannot be judged per call, in this run or any other: the run records "
+            "its calls of a step together"
+        )
+    if rest:
+        said += (
+            f". To judge {'them' if not again else _listing(rest, limit)}, profile a few steps of one "
+            "micro-batch each (a run without gradient accumulation, on one rank)"
+        )
+    return said
 
 
 def _unread_words(run: _Run, unread: list[str], limit: int) -> str:
@@ -1321,7 +1361,7 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
             if lowest is not None
             else ""
         )
-        + _pooled_words(by_key, linear, cfg.max_listed_modules)
+        + _pooled_words(run, by_key, linear, cfg.max_listed_modules)
         + _rowwise_words(run, linear, cfg.max_listed_modules)
         + (
             f". {len(forward_only)} layer(s) had no output gradient on any sampled step "
