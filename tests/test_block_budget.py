@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+import precprof
 from precprof import pipeline
 from precprof import tables as T
 from precprof.capture import Profiler
@@ -345,8 +346,45 @@ def test_the_coverage_says_how_many_embeddings_a_tied_head_reads(tie: bool) -> N
     assert (desc["embeddings"], desc["embeddings_tied"]) == (2, tied)
     text = _block_setting(desc)
     assert "whose weight a tied head reads" not in text, text
-    has = "1 of the 2 has one" if tied else "none has one here"
-    assert f"embeddings, evaluated for a head tied to their weight: {has})" in text, text
+    has = "; a head is tied to 1 of the 2" if tied else ", though no head is tied to one here"
+    assert f"embeddings, evaluated in case a head is tied to their weight{has})" in text, text
+
+
+class _Attention(nn.Module):
+    """An embedding, an nn.MultiheadAttention (its out_proj an nn.Linear it never calls: it reads the weight as a
+    function's), a linear layer and a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(32, 16)
+        self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
+        self.fc, self.head = nn.Linear(16, 16), nn.Linear(16, 32)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)
+        return self.head(self.fc(h + self.attn(h, h, h, need_weights=False)[0]))
+
+
+def test_the_coverage_counts_the_linear_layers_whose_forward_ran() -> None:
+    """A TransformerEncoder's report read "7 of 7 linear layers evaluated" in its Capture row beside the block
+    plan's "linear layers evaluated 5": the two nn.MultiheadAttention out_projs, whose forward never runs, were
+    counted as evaluated whenever their group's turn came. Both count the linear layers that ran: fc and head."""
+    torch.manual_seed(0)
+    model = _Attention()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with Profiler(
+        model, optimizer=opt, sample_every=1, memory=False, block_formats=True, block_groups=1
+    ) as prof:
+        for _ in range(2):
+            model(torch.randint(0, 32, (4, 8))).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            prof.step()
+    desc = prof.summary()["block_formats"]
+    assert (desc["layers"], desc["layers_evaluated"], desc["evaluations"]) == (2, 2, [2, 2])
+    assert "2 of 2 linear layers evaluated" in _block_setting(desc)
+    f = precprof.recommend(prof, hardware="b200").finding("block_format_plan")
+    assert f is not None and f.numbers["checked"] == 2 and not f.numbers["not_evaluated"]
 
 
 def test_a_reattached_profiler_keeps_what_its_budget_measured() -> None:

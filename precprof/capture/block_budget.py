@@ -229,6 +229,9 @@ class BlockDeal:
         self.calibration = TimerCalibration()
         self._slots: list[Any] = []  # the plan's layers that get the what-if (their ``block_group``)
         self.turns: dict[str, int] = {}  # layer -> sampled steps that evaluated its block formats
+        # the layers whose forward ran on a sampled step (nn.MultiheadAttention's out_proj never does: the
+        # attention reads its weight as a function's): those the coverage counts, as the advisor's plan does
+        self.ran: set[str] = set()
 
     @property
     def groups(self) -> int:
@@ -265,10 +268,12 @@ class BlockDeal:
         """The sampled step that began with ``next_turn`` recorded its statistics: its group's layers were
         evaluated once more; a control step, counted here, as recorded (counted as it began, the step the last
         prof.step() began and the loop never ran was one more: "2 sampled steps evaluated none" of a run with 1)."""
+        ran = [slot for slot in self._slots if slot.ran]  # (one whose forward did not run: nothing evaluated)
+        self.ran.update(slot.name for slot in ran)
         if self.turn == CONTROL_TURN:
             self.control_steps += 1
             return
-        for slot in self._slots:
+        for slot in ran:
             if slot.block_group == self.turn:
                 self.turns[slot.name] = self.turns.get(slot.name, 0) + 1
 
@@ -283,9 +288,11 @@ class BlockDeal:
             out["timer_factor_measured"] = self.calibration.told
         # linear layers apart from the embeddings whose weight a tied head reads (a GPT-2's 9 and 2: the report
         # said "3 of 11 layers evaluated" beside the advisor's "3 of the 9 linear layers")
+        # (and those whose forward ran on a sampled step: a linear layer none ran, the out_proj of an
+        # nn.MultiheadAttention, read "7 of 7 linear layers evaluated" beside the plan's 5 linear layers)
         linear = {s.name for s in self._slots if taxonomy.is_linear_type(s.module_type)}
-        counts = [c for name, c in self.turns.items() if name in linear]
-        others = [c for name, c in self.turns.items() if name not in linear]
+        counts = [c for name, c in self.turns.items() if name in linear and name in self.ran]
+        others = [c for name, c in self.turns.items() if name not in linear and name in self.ran]
         out["layers"] = len(counts)
         out["layers_evaluated"] = sum(c > 0 for c in counts)
         out["evaluations"] = [min(counts), max(counts)] if counts else [0, 0]

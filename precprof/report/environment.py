@@ -928,15 +928,16 @@ def _unadapted(done: int, needed: int, budget: float) -> str:
 
 def _tied(embeddings: int, tied: int | None) -> str:
     """Why the block what-if evaluates embeddings, and how many of them a tied head reads (``tied``: None in a
-    run recorded before it was counted): every embedding is evaluated, though only a tied head's GEMM reads one."""
+    run recorded before it was counted): every embedding is evaluated, though only a tied head's GEMM reads one.
+    (It read "evaluated for a head tied to their weight: none has one here", as if evaluated for nothing.)"""
     if tied == embeddings:
         return ", whose weight a tied head reads"
-    why = ", evaluated for a head tied to their weight"
+    why = ", evaluated in case a head is tied to their weight"
     if tied is None:
         return why
     if not tied:
-        return why + ": none has one here"
-    return why + f": {F.count(tied)} of the {F.count(embeddings)} {'has' if tied == 1 else 'have'} one"
+        return why + ", though no head is tied to one here"
+    return why + f"; a head is tied to {F.count(tied)} of the {F.count(embeddings)}"
 
 
 def _coverage(v: Mapping[str, Any]) -> str:
