@@ -3,7 +3,9 @@ it within ``block_budget`` of the rest of a sampled step, from its measured cost
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -286,11 +288,11 @@ class _TiedLM(nn.Module):
         return self.head(self.fc(self.emb(ids)))
 
 
-def test_the_coverage_counts_linear_layers_apart_from_embeddings() -> None:
-    """A GPT-2's report said "3 of 11 layers evaluated" beside the advisor's "3 of the 9 linear layers": the
-    two embeddings, whose weights a tied head reads, were counted as layers. They are said apart."""
+def _coverage_of(make: Callable[[], nn.Module]) -> tuple[dict[str, Any], precprof.Profiler]:
+    """The block what-if's summary of two sampled steps of a model ``make`` builds (token ids in, its layers in
+    one group), and the Profiler."""
     torch.manual_seed(0)
-    model = _TiedLM()
+    model = make()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     with Profiler(
         model, optimizer=opt, sample_every=1, memory=False, block_formats=True, block_groups=1
@@ -300,7 +302,14 @@ def test_the_coverage_counts_linear_layers_apart_from_embeddings() -> None:
             opt.step()
             opt.zero_grad()
             prof.step()
-    desc = prof.summary()["block_formats"]
+    desc: dict[str, Any] = prof.summary()["block_formats"]
+    return desc, prof
+
+
+def test_the_coverage_counts_linear_layers_apart_from_embeddings() -> None:
+    """A GPT-2's report said "3 of 11 layers evaluated" beside the advisor's "3 of the 9 linear layers": the
+    two embeddings, whose weights a tied head reads, were counted as layers. They are said apart."""
+    desc, _ = _coverage_of(_TiedLM)
     assert (desc["layers"], desc["embeddings"]) == (2, 1)
     assert "of 2 linear layers evaluated (and 1 of 1 embeddings, whose weight a tied head reads)" in (
         _block_setting(desc)
@@ -369,18 +378,7 @@ def test_the_coverage_counts_the_linear_layers_whose_forward_ran() -> None:
     """A TransformerEncoder's report read "7 of 7 linear layers evaluated" in its Capture row beside the block
     plan's "linear layers evaluated 5": the two nn.MultiheadAttention out_projs, whose forward never runs, were
     counted as evaluated whenever their group's turn came. Both count the linear layers that ran: fc and head."""
-    torch.manual_seed(0)
-    model = _Attention()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    with Profiler(
-        model, optimizer=opt, sample_every=1, memory=False, block_formats=True, block_groups=1
-    ) as prof:
-        for _ in range(2):
-            model(torch.randint(0, 32, (4, 8))).square().mean().backward()
-            opt.step()
-            opt.zero_grad()
-            prof.step()
-    desc = prof.summary()["block_formats"]
+    desc, prof = _coverage_of(_Attention)
     assert (desc["layers"], desc["layers_evaluated"], desc["evaluations"]) == (2, 2, [2, 2])
     assert "2 of 2 linear layers evaluated" in _block_setting(desc)
     f = precprof.recommend(prof, hardware="b200").finding("block_format_plan")
