@@ -249,6 +249,38 @@ def frozen_params(summary: Mapping[str, Any] | None) -> dict[str, list[str]]:
     return out
 
 
+def trainable_changed(summary: Mapping[str, Any] | None) -> dict[str, dict[str, Any]]:
+    """Per captured module, its parameters whose requires_grad changed during the run (the capture's
+    ``modules[].trainable_changed``: param -> {"runs": [[first, last, requires_grad, had_gradient], ...], "end"}),
+    for the modules with some; {} for a run recorded before the capture wrote them."""
+    capture = (summary or {}).get(SUMMARY_CAPTURE)
+    modules = capture.get("modules") if isinstance(capture, Mapping) else None
+    out: dict[str, dict[str, Any]] = {}
+    for m in modules if isinstance(modules, list) else []:
+        changed = m.get("trainable_changed") if isinstance(m, Mapping) else None
+        if isinstance(changed, Mapping) and changed and isinstance(m.get("name"), str):
+            out[m["name"]] = {str(p): dict(v) for p, v in changed.items() if isinstance(v, Mapping)}
+    return out
+
+
+def trainable_changes(summary: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The capture's ``trainable_changes`` (the model's trainable elements per run of sampled steps, ``numel``:
+    [[first, last, elements], ...], the most at once and at the end), where requires_grad changed during the run;
+    {} where it did not, or the run was recorded before the capture said so."""
+    capture = (summary or {}).get(SUMMARY_CAPTURE)
+    changes = capture.get("trainable_changes") if isinstance(capture, Mapping) else None
+    return dict(changes) if isinstance(changes, Mapping) and changes.get("numel") else {}
+
+
+def trainable_at(summary: Mapping[str, Any] | None, step: Any) -> int | None:
+    """The model's trainable elements on sampled step ``step`` where requires_grad changed during the run
+    (``trainable_changes``); None where it did not, or ``step`` is in none of its runs."""
+    for run in trainable_changes(summary).get("numel") or []:
+        if isinstance(run, list) and len(run) == 3 and isinstance(step, int) and run[0] <= step <= run[1]:
+            return int(run[2])
+    return None
+
+
 def read_summary(run_dir: str | Path) -> dict[str, Any]:
     """summary.json of a run directory ({} when there is none).
 

@@ -11,7 +11,7 @@ from torch import nn
 
 import precprof
 from precprof import tables as T
-from precprof.report import render
+from precprof.report import environment, render
 from precprof.report import summarize as S
 
 
@@ -76,3 +76,57 @@ def test_a_tied_head_and_a_frozen_layer_say_so_in_their_rows() -> None:
     assert (frozen[3], frozen[6], frozen[-1]) == ("float32", "frozen", "frozen"), frozen
     assert mix[6] == "float32 bias frozen" and mix[-1].endswith("%"), mix
     assert "Of its 5 rows, 1 is not a layer but" in " ".join(page.split())  # (mix:input: h + frozen(h))
+
+
+def test_a_layer_unfrozen_and_frozen_again_is_not_called_frozen() -> None:
+    """Gradual unfreezing: ``mid`` frozen on steps 0-1, trained on 2-3, frozen again on 4-5. It is not "frozen"
+    (its rows have gradients and updates on 2-3): the summary says when it trained, the layer's row "trained on
+    steps 2-3", and the model's trainable counts are per run of sampled steps (the end's alone were said)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 8))
+    model[1].requires_grad_(False)
+    model[2].requires_grad_(False)  # frozen throughout
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with precprof.Profiler(model, optimizer=opt, sample_every=1, memory=False) as prof:
+        for step in range(6):
+            if step in (2, 4):
+                model[1].requires_grad_(step == 2)
+            model(torch.randint(0, 8, (2, 3))).square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            prof.step()
+    summary = {T.SUMMARY_CAPTURE: prof.summary()}
+    assert T.frozen_params(summary) == {"2": ["weight", "bias"]}  # (the layer frozen throughout, alone)
+    runs = [[0, 1, False, False], [2, 3, True, True], [4, 5, False, False]]
+    assert T.trainable_changed(summary) == {
+        "1": {p: {"runs": runs, "end": False} for p in ("weight", "bias")}
+    }
+    n_all, n_mid = sum(p.numel() for p in model.parameters()), 20
+    n_end = n_all - 2 * n_mid
+    assert T.trainable_changes(summary) == {
+        "numel": [[0, 1, n_end], [2, 3, n_end + n_mid], [4, 5, n_end]],
+        "most": n_end + n_mid,
+        "end": n_end,
+    }
+    assert T.trainable_at(summary, 3) == n_end + n_mid and T.trainable_at(summary, 9) is None
+    assert (
+        T.trainable_changes({}) == {} and T.trainable_changed({}) == {}
+    )  # a run recorded before: nothing said
+    layers = prof.tables()["layers"]
+    rows = {
+        r["module"]: r
+        for r in S.layer_records(
+            layers, T.shared_params(summary), T.frozen_params(summary), changed=T.trainable_changed(summary)
+        )
+    }
+    label, tip = rows["1"]["trainable_changed"]
+    assert (rows["1"]["frozen"], label) == ([], "weight, bias trained on steps 2\u20133"), rows["1"]
+    assert "False on sampled steps 0\u20131, True on 2\u20133, False on 4\u20135; False at the end" in tip, (
+        tip
+    )
+    assert rows["2"]["frozen"] == ["weight", "bias"] and rows["2"]["trainable_changed"] is None
+    said = environment.trainable_changes_said(summary)
+    assert said == (
+        f"requires_grad changed during the run: {n_end} parameters trained on sampled steps 0\u20131, "
+        f"{n_end + n_mid} on 2\u20133, {n_end} on 4\u20135 (at most {n_end + n_mid} at once)"
+    ), said

@@ -331,6 +331,9 @@ def project(
     p_elems, p_fixed = _elements(comp(T.PARAMETERS), floats)
     n_params = int(facts.get("n_params", round(p_elems)))
     n_trainable = int(facts.get("n_trainable", n_params))
+    # requires_grad changed during the run (a layer unfrozen, frozen again): those that trained on the step measured
+    at = T.trainable_at(summary, step)
+    n_trainable = at if at is not None else n_trainable
     # Under FSDP a rank holds its shard of the parameters, their gradients and states: the parameters measured
     # are the shard, and the model's counts scale to it (the gradients were the whole model's, the world size
     # times what a rank holds)
@@ -587,8 +590,13 @@ def project(
         "Textbook: parameters and gradients 4N -> 2N, optimizer states unchanged, activations halved; no "
         "master weights, no weight copies"
         + (
-            f"; the gradients' N is the {n_trainable:,} of {n_params:,} parameters that train (a frozen one has "
-            "no gradient)."
+            f"; the gradients' N is the {n_trainable:,} of {n_params:,} parameters that train"
+            + (
+                f" on step {step}, the step measured (requires_grad changed during the run)"
+                if at is not None
+                else ""
+            )
+            + " (a frozen one has no gradient)."
             if n_trainable < n_params
             else "."
         ),

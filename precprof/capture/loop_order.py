@@ -34,6 +34,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from precprof import tables as T
 from precprof.capture.model_facts import optimizer_class
+from precprof.capture.trainable import TrainedSeen
 
 # what can go wrong, as the summary names it (``capture.loop_order``)
 UNFOLLOWED = (
@@ -63,6 +64,9 @@ class LoopOrder:
         self._followed: set[int] = set()  # the ids of the optimizers the Profiler follows
         self._followed_names: str | None = None
         self._params: Mapping[int, Any] = {}  # the ids of the model's trained parameters
+        self.trained = (
+            TrainedSeen()
+        )  # which parameters trained on the sampled steps (a layer unfrozen mid-run)
         self.begin()
 
     def begin(self) -> None:
@@ -126,10 +130,15 @@ class LoopOrder:
         if any(id(p) in params for g in getattr(optimizer, "param_groups", ()) for p in g["params"]):
             self._unfollowed[id(optimizer)] = type(optimizer).__name__
 
-    def judge(self, step: int, ran_nothing: Callable[[], bool]) -> None:
-        """The sampled step ``step`` ends: its faults counted and, the first time of each kind, warned about.
-        ``ran_nothing``: whether it ran no forward and no backward (asked only when no optimizer stepped)."""
+    def judge(self, step: int, hooks: Any) -> None:
+        """The sampled step ``step`` ends: its faults counted and, the first time of each kind, warned about, and
+        which parameters trained in it noted (``trainable.py``). ``hooks``: the step's ``StepHooks`` (None: none),
+        whose ``ran_nothing`` tells whether it ran no forward and no backward (asked only when no optimizer
+        stepped)."""
         self.active = False
+        ran_nothing: Callable[[], bool] = hooks.ran_nothing if hooks is not None else bool
+        if hooks is not None:
+            self.trained.note(step, hooks)
         most = max(self._steps_of.values(), default=0)
         faults: dict[str, dict[str, Any]] = {}
         if self._unfollowed:

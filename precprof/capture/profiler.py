@@ -432,7 +432,7 @@ class Profiler(PartsAssembly, ProfilerResults, OptimizerSwitch):
         started = self._t_last  # this step's start (the previous step's end)
         if self._sampling:
             self._note_updates_read()
-            self._loop.judge(self._step, self._hooks.ran_nothing if self._hooks is not None else bool)
+            self._loop.judge(self._step, self._hooks)
             self._end_sampled_hooks()
             if self._block_formats:
                 self._blocks.count_turn()

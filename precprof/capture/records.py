@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from precprof import tables as T
+from precprof.capture.trainable import TrainedSeen
 
 MAX_PENDING_STEPS = 256  # steps kept on the device between flushes when sampling is rare or off
 
@@ -371,19 +372,30 @@ def autocast_state(device_type: str) -> dict[str, Any]:
     }
 
 
-def module_entry(slot: _ModuleSlot) -> dict[str, Any]:
+def module_entries(plan: Any, trained: TrainedSeen) -> list[dict[str, Any]]:
+    """summary.json's ``capture.modules``: ``module_entry`` of each module of ``plan`` (none without a plan)."""
+    return [module_entry(slot, trained) for slot in (plan.modules if plan is not None else [])]
+
+
+def module_entry(slot: _ModuleSlot, trained: TrainedSeen) -> dict[str, Any]:
     """A captured module as summary.json's ``capture.modules`` lists it: its name, type and parameters' shapes,
-    those of its parameters that do not train (``frozen``: requires_grad False when the summary is written; only
-    where some are), the shapes of its calls where they were recorded (``call_shapes``, under its
+    those of its parameters frozen throughout (``frozen``: requires_grad False on every sampled step and when the
+    summary is written, and no gradient on any sampled step; only where some are), per parameter whose
+    requires_grad changed, its runs of sampled steps (``trainable_changed``: ``runs`` of ``[first, last,
+    requires_grad, had_gradient]`` and ``end``, its requires_grad then; ``trained`` as the sampled steps saw
+    them: ``capture/trainable.py``), the shapes of its calls where they were recorded (``call_shapes``, under its
     ``calls_key``), and an embedding's ``padding_idx`` where it has one (torch passes that row no gradient)."""
     entry: dict[str, Any] = {
         "name": slot.name,
         "type": slot.module_type,
         "params": {pname: list(p.shape) for pname, p, _ in slot.weights},
     }
-    frozen = [pname for pname, p, _ in slot.weights if not p.requires_grad]
+    frozen = [pname for pname, p, _ in slot.weights if trained.frozen(slot.name, pname, p)]
     if frozen:
         entry["frozen"] = frozen
+    changed = {pname: runs for pname, p, _ in slot.weights if (runs := trained.runs(slot.name, pname, p))}
+    if changed:
+        entry["trainable_changed"] = changed
     if slot.call_shapes:
         entry[slot.call_shapes_key] = [list(c) for c in slot.call_shapes]
     padding = getattr(slot.module, "padding_idx", None)

@@ -39,7 +39,7 @@ from precprof.capture.model_facts import (
 )
 from precprof.capture.plan import CapturePlan
 from precprof.capture.recorded import Recorded
-from precprof.capture.records import module_entry
+from precprof.capture.records import module_entries
 from precprof.capture.reducer import wrapper_info
 from precprof.capture.sampling import Sampler
 from precprof.capture.scaler import ScalerWatch
@@ -253,7 +253,7 @@ class ProfilerResults:
 
     def summary(self) -> dict[str, Any]:
         """The ``capture`` part of summary.json: what was captured and how."""
-        modules = [module_entry(slot) for slot in (self._plan.modules if self._plan is not None else [])]
+        modules = module_entries(self._plan, self._loop.trained)
         plan = self._plan
         # per module, its parameters recorded under another module (a tied head: {"weight": its embedding})
         shared = {slot.name: dict(slot.shared) for slot in plan.modules if slot.shared} if plan else {}
@@ -343,8 +343,8 @@ class ProfilerResults:
             "optimizer_changes": [dict(c) for c in self._optimizer_changes],
             # an optimizer given after the run began (``use_optimizer``): from which step its updates were read
             "updates_from": self.updates_from(),
-            # the model's parameters or modules changed, planned again (replan.py): {step, added, removed, modules}
-            "model_changes": [dict(c) for c in self._model_changes],
+            "model_changes": [dict(c) for c in self._model_changes],  # planned again (replan.py)
+            **self._loop.trained.summary(self.model),  # requires_grad changed mid-run (trainable.py)
             "fp8_recipe": fp8_recipes(_compat.unwrapped(self.model)),  # what its Float8Linear layers ran
             "block_recipe": block_recipes(_compat.unwrapped(self.model)),  # what its MX layers ran
             # the nn.Linear biases their torchao training weight's F.linear leaves out (MXFP8 through quantize_)

@@ -668,7 +668,10 @@ def _memory(
         "textbook": M.memory_table(records, "textbook"),
         # (parameters that train, all of them) where some are frozen: the textbook's gradients and states are of
         # those that train
-        "trainable": environment.trainable(summary),
+        "trainable": environment.trainable(summary, mem.get("step")),
+        # requires_grad changed during the run: those counts are the step measured's ("" where it did not)
+        "trainable_changes": environment.trainable_changes_said(summary),
+        "step_measured": mem.get("step"),
         "claim": claim.get("text")
         if isinstance(claim, Mapping)
         else (claim if isinstance(claim, str) else None),
@@ -950,7 +953,14 @@ def build_context(
     status = str(summary.get(T.SUMMARY_STATUS) or T.STATUS_COMPLETE)
     norm_type = (summary.get(T.SUMMARY_CAPTURE) or {}).get("grad_norm_type")
     training_fig = plots.training_figure(steps, norm_type if isinstance(norm_type, str) else None)
-    layer_rows = S.layer_records(layers, T.shared_params(summary), T.frozen_params(summary), order, weights)
+    layer_rows = S.layer_records(
+        layers,
+        T.shared_params(summary),
+        T.frozen_params(summary),
+        order,
+        weights,
+        T.trainable_changed(summary),
+    )
     update_format = timeline.update_format(layers, "bf16") or "bf16"
     hw = summary.get(T.SUMMARY_HARDWARE) or {}
     target = str((rec or {}).get("target") or "")

@@ -352,18 +352,47 @@ _SIZES: tuple[tuple[tuple[str, ...], str], ...] = (
 )
 
 
-def trainable(summary: Mapping[str, Any]) -> tuple[int, int] | None:
+def trainable(summary: Mapping[str, Any], step: Any = None) -> tuple[int, int] | None:
     """(parameters that train, all parameters) where some are frozen (a LoRA model's base), from what the memory
-    breakdown counted (summary.json's memory.model); None where all train or the run did not count them."""
+    breakdown counted (summary.json's memory.model): when the summary was written, or on sampled ``step`` where
+    requires_grad changed during the run (``T.trainable_at``); None where all train or the run did not count
+    them."""
     facts = _map(_map(summary.get(T.SUMMARY_MEMORY)).get("model"))
     n, n_train = _int(facts.get("n_params")), _int(facts.get("n_trainable"))
+    at = T.trainable_at(summary, step)
+    n_train = at if at is not None else n_train
     return (n_train, n) if n is not None and n_train is not None and n_train < n else None
 
 
-def _trained_said(counts: tuple[int, int]) -> str:
-    """ "8,704 of 115,520 parameters train (7.53%), 106,816 frozen"."""
+def _trained_said(counts: tuple[int, int], changed: bool = False) -> str:
+    """ "8,704 of 115,520 parameters train (7.53%), 106,816 frozen"; ``changed``: requires_grad changed during
+    the run, and these are the counts at its end ("train at the end")."""
     n_train, n = counts
-    return f"{F.count(n_train)} of {F.count(n)} parameters train ({F.pct(n_train / n)}), {F.count(n - n_train)} frozen"
+    return (
+        f"{F.count(n_train)} of {F.count(n)} parameters train{' at the end' if changed else ''} "
+        f"({F.pct(n_train / n)}), {F.count(n - n_train)} frozen"
+    )
+
+
+def trainable_changes_said(summary: Mapping[str, Any]) -> str:
+    """ "requires_grad changed during the run: 4,160 parameters trained on sampled steps 0-3, 5,216 on 4-11, 4,160
+    on 12-15 (at most 5,216 at once)", the model's trainable elements per run of sampled steps (the first 4 and
+    the last); "" where requires_grad did not change."""
+    changes = T.trainable_changes(summary)
+    runs = [r for r in changes.get("numel") or [] if isinstance(r, list) and len(r) == 3]
+    if not runs:
+        return ""
+
+    def steps(r: list[Any]) -> str:
+        return f"{r[0]}\u2013{r[1]}" if r[1] != r[0] else f"{r[0]}"
+
+    shown = runs if len(runs) <= 5 else [*runs[:4], runs[-1]]
+    parts = [f"{F.count(r[2])} on {steps(r)}" for r in shown]
+    parts[0] = f"{F.count(shown[0][2])} parameters trained on sampled steps {steps(shown[0])}"
+    if len(runs) > len(shown):
+        parts[-1] = f"... {parts[-1]}"
+    most = max(r[2] for r in runs)
+    return f"requires_grad changed during the run: {', '.join(parts)} (at most {F.count(most)} at once)"
 
 
 def _model(
@@ -379,10 +408,13 @@ def _model(
     rows: Rows = [("model", f"{name}" + (f" ({', '.join(what)})" if what else ""))]
     n = _int(model.get("n_params") or capture.get("n_params"))
     shape: list[str] = []
+    changes = trainable_changes_said({T.SUMMARY_CAPTURE: capture})
     if trains is not None and trains[1] == n:
-        shape.append(_trained_said(trains))
+        shape.append(_trained_said(trains, bool(changes)))
     elif n is not None:
-        shape.append(f"{F.count(n)} parameters")
+        shape.append(f"{F.count(n)} parameters" + (", all train at the end" if changes else ""))
+    if changes:
+        shape.append(changes)
     # each size once, under whichever name the model's config gives it (GPT-2's config answers both n_embd and
     # hidden_size: the row said "32 wide, 32 wide")
     for keys, unit in _SIZES:

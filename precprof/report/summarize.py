@@ -384,6 +384,7 @@ def layer_records(
     frozen: Mapping[str, Sequence[str]] | None = None,
     order: Sequence[str] | None = None,
     weights: pd.Series | None = None,
+    changed: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
     """One record per module, forward order: type, dtypes, extreme magnitudes, fp16/bf16 losses, first nan/inf.
 
@@ -404,7 +405,9 @@ def layer_records(
     nonfinite_first (step and kind of the first nan/inf, "" when none), layer_input (the row is a module's input
     that no captured module produced, ``T.input_module``: no layer of its own), tied_to (the modules its
     parameters shared with another are recorded under, ``shared``: a head tied to its embedding has "emb"; ""
-    when none), frozen (its parameters that do not train, ``frozen``: the capture's ``T.frozen_params``).
+    when none), frozen (its parameters frozen throughout the run, ``frozen``: the capture's ``T.frozen_params``),
+    trainable_changed ((label, tooltip) of its parameters whose requires_grad changed during the run, ``changed``:
+    the capture's ``T.trainable_changed``, ``trainable_said``; None when none).
     A tied head's weight and a frozen layer's gradient have no rows of their own: without these two keys its
     row read as a layer without parameters. ``order`` and ``weights``: ``forward_order(layers, shared)`` and
     ``tables.sample_weights(layers)`` where the caller has them.
@@ -473,9 +476,42 @@ def layer_records(
             "layer_input": str(m).endswith(T.INPUT_SUFFIX),
             "tied_to": ", ".join(dict.fromkeys(str(o) for o in ((shared or {}).get(str(m)) or {}).values())),
             "frozen": list((frozen or {}).get(str(m)) or []),
+            "trainable_changed": trainable_said((changed or {}).get(str(m)) or {}),
         }
         for m in order
     ]
+
+
+def _step_runs(runs: Sequence[Sequence[Any]]) -> str:
+    """ "0-3, 12-15" (with en dashes) of runs ``[first, last, ...]`` of sampled steps."""
+    return ", ".join(f"{r[0]}\u2013{r[1]}" if r[1] != r[0] else f"{r[0]}" for r in runs)
+
+
+def trainable_said(changed: Mapping[str, Any]) -> tuple[str, str] | None:
+    """(label, tooltip) of a module's parameters whose requires_grad changed during the run (``changed``: param
+    -> {"runs": [[first, last, requires_grad, had_gradient], ...], "end"}, ``T.trainable_changed``): "weight, bias
+    trained on steps 4-11", the steps with a gradient; the tooltip says requires_grad over the sampled steps and
+    at the end. None when ``changed`` is empty."""
+    said: dict[tuple[str, str], list[str]] = {}
+    for pname, v in changed.items():
+        runs = [r for r in v.get("runs") or [] if isinstance(r, Sequence) and len(r) >= 4]
+        trained = [r for r in runs if r[3]]
+        label = (
+            f"trained on steps {_step_runs(trained)}"
+            if trained
+            else f"requires_grad on steps {_step_runs([r for r in runs if r[2]]) or 'none'}, no gradient"
+        )
+        states = ", ".join(
+            f"{bool(r[2])} on {'sampled steps ' if k == 0 else ''}{_step_runs([r])}"
+            for k, r in enumerate(runs)
+        )
+        tip = f"requires_grad changed during the run: {states}; {bool(v.get('end'))} at the end"
+        said.setdefault((label, tip), []).append(str(pname))
+    if not said:
+        return None
+    labels = [f"{', '.join(ps)} {label}" for (label, _), ps in said.items()]
+    tips = [f"{', '.join(ps)}: {tip}" for (_, tip), ps in said.items()]
+    return "; ".join(labels), ". ".join(tips)
 
 
 def _dtype_census(rows: pd.DataFrame) -> list[dict[str, Any]]:

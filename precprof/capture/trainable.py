@@ -1,0 +1,110 @@
+"""Which parameters trained over the run, as the sampled steps saw them: a loop that changes ``requires_grad`` while
+it runs (gradual unfreezing: a layer frozen at first, unfrozen at step 4 and frozen again at step 12).
+
+summary.json's ``capture.modules[].frozen`` was read from ``requires_grad`` when the summary was written: a layer
+trained on steps 4 to 11 and frozen again at the end was called frozen ("no gradient and no update") beside its own
+gradient and update rows, and the model's count of the parameters that train was the end state's.
+
+At the end of every sampled step (``LoopOrder.judge``: the loop set ``requires_grad`` for the step before it
+ends) each captured parameter's ``requires_grad`` is read, with whether its gradient row was read in that step,
+and the model's trainable elements are counted: host attributes only, one pass over the parameters, nothing on a
+step that is not sampled. Kept as runs of consecutive sampled steps in one state (``[first, last, requires_grad,
+had_gradient]``), so a long run holds a few entries.
+
+What the summary says (``module_entry``, ``TrainedSeen.summary``):
+
+- ``modules[].frozen``: the parameters frozen throughout: ``requires_grad`` False on every sampled step and when
+  the summary is written, and no gradient read on any sampled step;
+- ``modules[].trainable_changed``: per parameter whose ``requires_grad`` changed between sampled steps (or after
+  the last of them), its runs (``runs``) and its ``requires_grad`` when the summary was written (``end``);
+- ``capture.trainable_changes``: where some parameter's did, the model's trainable elements per run of sampled
+  steps (``numel``: ``[first, last, elements]``) and the end's (``end``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from precprof.capture.storage import _storage
+
+Run = list[Any]  # [first sampled step, last sampled step, requires_grad, had a gradient]
+
+
+def trainable_numel(params: Any) -> int:
+    """Elements of ``params`` whose ``requires_grad`` is set, a storage shared by several parameters once (as
+    ``storage.model_sizes`` counts ``n_trainable``)."""
+    seen: set[int] = set()
+    n = 0
+    for p in params:
+        st = _storage(p)
+        key = st[0] if st is not None else id(p)
+        if key not in seen:
+            seen.add(key)
+            n += p.numel() if p.requires_grad else 0
+    return n
+
+
+class TrainedSeen:
+    """Per captured parameter (by module and parameter name), its ``requires_grad`` and whether it had a gradient
+    on each sampled step, as runs; the model's trainable elements likewise."""
+
+    def __init__(self) -> None:
+        self._runs: dict[tuple[str, str], list[Run]] = {}
+        self._numel: list[list[int]] = []
+        self._last: int | None = None  # the last sampled step seen: a run goes on only over consecutive looks
+
+    def note(self, step: int, hooks: Any) -> None:
+        """The sampled step ``step`` ends: its parameters as ``hooks`` (``capture.hooks.StepHooks``) read them."""
+        plan = getattr(hooks, "plan", None)
+        if plan is None:
+            return
+        calls, skipped = hooks.rows.calls, hooks.buffer.skipped
+        last = self._last
+        for ps in plan.params:
+            g = ps.grad_row
+            state = (bool(ps.tensor.requires_grad), bool(g >= 0 and (calls[g] or skipped[g])))
+            runs = self._runs.setdefault((ps.module, ps.param), [])
+            _extend(runs, step, last, state)
+        n = trainable_numel(plan.held)
+        if self._numel and self._numel[-1][2] == n and self._numel[-1][1] == last:
+            self._numel[-1][1] = step
+        else:
+            self._numel.append([step, step, n])
+        self._last = step
+
+    def runs(self, module: str, param: str, tensor: torch.Tensor) -> dict[str, Any] | None:
+        """Where ``module``'s ``param``'s ``requires_grad`` changed over the sampled steps or after the last of
+        them (``tensor``: the parameter, read now): its runs (``runs``) and its ``requires_grad`` now (``end``);
+        None where it did not."""
+        runs = self._runs.get((module, param))
+        end = bool(tensor.requires_grad)
+        if not runs or {r[2] for r in runs} == {end}:
+            return None
+        return {"runs": [list(r) for r in runs], "end": end}
+
+    def frozen(self, module: str, param: str, tensor: torch.Tensor) -> bool:
+        """Whether ``module``'s ``param`` was frozen throughout: ``requires_grad`` False now and on every sampled
+        step, and no gradient read on any (with no sampled step seen: False now)."""
+        if tensor.requires_grad:
+            return False
+        return not any(r[2] or r[3] for r in self._runs.get((module, param), ()))
+
+    def summary(self, model: Any) -> dict[str, Any]:
+        """summary.json's ``capture.trainable_changes`` where the model's trainable elements changed over the
+        sampled steps or after the last of them: per run of sampled steps (``numel``: ``[first, last,
+        elements]``), the most at once (``most``) and at the end (``end``); {} where they did not."""
+        end = trainable_numel(model.parameters())
+        if not self._numel or {n for _, _, n in self._numel} == {end}:
+            return {}
+        most = max(n for _, _, n in self._numel)
+        return {"trainable_changes": {"numel": [list(r) for r in self._numel], "most": most, "end": end}}
+
+
+def _extend(runs: list[Run], step: int, last: int | None, state: tuple[bool, bool]) -> None:
+    """``state`` at sampled step ``step`` added to ``runs``: the last run goes on where it is the same state and
+    was seen at the sampled step before (``last``)."""
+    if runs and runs[-1][1] == last and (runs[-1][2], runs[-1][3]) == state:
+        runs[-1][1] = step
+    else:
+        runs.append([step, step, *state])
