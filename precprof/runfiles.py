@@ -85,6 +85,10 @@ CALLBACK_SOURCES = frozenset({SOURCE_LIGHTNING, SOURCE_TRANSFORMERS})
 # capture.loop_order's kind of a sampled step whose optimizer stepped before the model's forward
 # (``capture/loop_order.py``): its weight-update rows are the step before's update
 LOOP_BEFORE_FORWARD = "optimizer_before_forward"
+# capture.loop_order's kind of a sampled step in which an optimizer the Profiler was not given stepped the model's
+# parameters (a new optimizer made mid-run without ``prof.use_optimizer``): its updates were not read. Its entry
+# lists the sampled steps (``at``, the first ``AT_MAX``; ``steps``: how many) and the optimizers' classes
+LOOP_NOT_FOLLOWED = "optimizer_not_followed"
 
 
 def sample_every_setting(cfg: Mapping[str, Any], n: str = "N") -> str:

@@ -20,6 +20,7 @@ from torch.optim import optimizer as optimizer_module
 
 import precprof
 from precprof import tables as T
+from precprof.analysis import advisor
 
 ONCE_PER_STEP = "call prof.step() once per optimizer step, after optimizer.step()"
 
@@ -76,6 +77,22 @@ def test_a_new_optimizer_the_profiler_was_not_given_is_said_once() -> None:
     }
     layers = prof.tables()["layers"]
     assert sorted(set(layers[layers[T.TENSOR] == T.WEIGHT_UPDATE][T.STEP])) == [0, 1, 2]
+    # the advisor names that cause, and its remedy: steps 3-5 had gradients and no update of the SGD it follows,
+    # which is no prof.step() per micro-batch (it told the loop to call prof.step() once per optimizer step)
+    found = {
+        f.code: f
+        for f in advisor.recommend(dict(prof.tables()), summary={T.SUMMARY_CAPTURE: prof.summary()}).findings
+    }
+    f = found["steps_without_update"]
+    assert f.title == "An optimizer the Profiler was not given stepped the model's parameters", f.title
+    assert "(3, 4, 5) the optimizer the Profiler was given (SGD) did not step" in f.message
+    assert "was not given (AdamW) stepped" in f.message and "micro-batch" not in f.message
+    assert f.remedy.startswith("Call prof.use_optimizer(new_opt)") and "prof.step()" not in f.remedy
+    assert f.numbers == {"steps_without_update": 3, "sampled_steps_with_grads": 6, "steps_other_optimizer": 3}
+    # the lost updates are those of steps 0-2, and say so
+    lost = found["bf16_lost_updates"]
+    assert "on 3 sampled steps (3, 4, 5) an optimizer it was not given (AdamW) stepped" in lost.message
+    assert lost.numbers["steps_other_optimizer"] == 3
 
 
 def test_prof_step_every_third_optimizer_step_is_said() -> None:

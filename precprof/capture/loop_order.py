@@ -37,9 +37,7 @@ from precprof.capture.model_facts import optimizer_class
 from precprof.capture.trainable import TrainedSeen
 
 # what can go wrong, as the summary names it (``capture.loop_order``)
-UNFOLLOWED = (
-    "optimizer_not_followed"  # an optimizer the Profiler does not follow stepped the model's parameters
-)
+UNFOLLOWED = T.LOOP_NOT_FOLLOWED  # an optimizer the Profiler does not follow stepped the model's parameters
 SEVERAL = "several_optimizer_steps"  # one of the optimizers it follows stepped more than once in the step
 EMPTY = "empty_step"  # no forward, backward or optimizer step at all
 BEFORE_FORWARD = T.LOOP_BEFORE_FORWARD  # an optimizer stepped before the step's forward

@@ -123,6 +123,7 @@ LABELS: dict[Any, tuple[str, str] | None] = {
     "last_scale": ("loss scale at the end", "scale"),
     "steps_without_update": ("sampled steps without an optimizer step", "count"),
     "sampled_steps_with_grads": ("sampled steps with weight gradients", "count"),
+    "steps_other_optimizer": ("sampled steps an optimizer the Profiler was not given stepped", "count"),
     # layers whose weights got no gradient (rules/no_gradient.py)
     "no_gradient_layers": ("layers whose weight gradient was zero on every sampled step", "count"),
     "weight_gradient_layers": ("layers with a weight gradient recorded", "count"),

@@ -15,8 +15,9 @@ from precprof.analysis.advisor.evidence import (
     _share,
     _shifted_underflow,
     _steps_without_update,
+    _unfollowed_steps,
 )
-from precprof.analysis.advisor.model import CRITICAL, INFO, WARNING, Finding
+from precprof.analysis.advisor.model import CRITICAL, INFO, WARNING, Finding, Number
 from precprof.analysis.advisor.text import _listed, _listing, _name, _pct
 from precprof.formats import BF16
 
@@ -303,6 +304,21 @@ def _worst_said(worst: list[str], by_share: pd.Series) -> str:
     return "; worst: " + ", ".join(f"{_name(m)} {_pct(float(by_share[m]))}" for m in worst) if worst else ""
 
 
+def _unfollowed_words(run: _Run) -> tuple[str, dict[str, int]]:
+    """Where an optimizer the Profiler was not given stepped the model's parameters on some sampled steps (a new
+    optimizer made mid-run without ``prof.use_optimizer``): the words that the updates counted are those of the
+    other sampled steps, and their number; ("", {}) where none did."""
+    at, classes, cut = _unfollowed_steps(run)
+    if not at:
+        return "", {}
+    return (
+        f" The updates counted are those of the optimizer the Profiler was given: on {'at least ' if cut else ''}"
+        f"{len(at)} sampled steps ({_listed([str(s) for s in at], 6)}) an optimizer it was not given "
+        f"({', '.join(classes) or 'another'}) stepped the model's parameters, and its updates were not read.",
+        {"steps_other_optimizer": len(at)},
+    )
+
+
 def _rule_lost_updates(run: _Run, plan: _Plan) -> None:
     cfg = run.cfg
     wu = run.kind(T.WEIGHT_UPDATE)
@@ -345,6 +361,7 @@ def _rule_lost_updates(run: _Run, plan: _Plan) -> None:
         sampled_words, sampled_method, sampled_nums = _sampled_words(run, rows, lost, nz, weights)
         nonfinite_words, nonfinite_nums = _nonfinite_words(held_rows, run)
         fp32_words, fp32_nums = _fp32_stuck_words(rows, bool(sampled_words)) if not is_pure else ("", {})
+        unfollowed_words, unfollowed_nums = _unfollowed_words(run)
         by_share = _by_module(rows, rows[col], weights)
         worst = _worst(run, by_share, cfg.lost_update_warn, cfg.max_listed_modules)
         resolution = "2^-8" if fmt == "bf16" else "2^-11"
@@ -404,7 +421,8 @@ def _rule_lost_updates(run: _Run, plan: _Plan) -> None:
                 + fp32_words
                 + nonfinite_words
                 + idle_words
-                + apart_words,
+                + apart_words
+                + unfollowed_words,
                 (
                     f"Hold the weights in fp32 and let {fmt} autocast cast the matmuls: a model built or loaded in "
                     f"{fmt} (from_pretrained(..., dtype=torch.{held})) has no fp32 copy of its weights, under "
@@ -427,6 +445,7 @@ def _rule_lost_updates(run: _Run, plan: _Plan) -> None:
                     **fp32_nums,
                     **idle_nums,
                     **apart_nums,
+                    **unfollowed_nums,
                     **({"held_from_step": since} if since is not None and is_pure else {}),
                 },
                 method=sampled_method,
@@ -624,26 +643,73 @@ def _rule_bf16_range(run: _Run, plan: _Plan) -> None:
 
 
 def _rule_steps_without_update(run: _Run, plan: _Plan) -> None:
-    """Sampled steps with weight gradients and no optimizer step, in a run whose optimizer steps were seen
-    (``weight_update`` rows on other sampled steps): ``prof.step()`` called more often than the optimizer steps,
-    once per micro-batch under gradient accumulation. A step the loss scaler skipped (no optimizer step by
-    design) and a step a crash cut off are left out. Fires when it is most of the sampled steps that could tell
-    (a loop that steps its optimizer every other step is the same mistake)."""
+    """Sampled steps with weight gradients and no step of the optimizer the Profiler follows, in a run whose
+    optimizer steps were seen (``weight_update`` rows on other sampled steps). Where an optimizer it was not given
+    stepped the model's parameters in them (the capture's ``loop_order``: a new optimizer made mid-run, after
+    unfreezing layers, without ``prof.use_optimizer``), that is the cause, said with its remedy. Else
+    ``prof.step()`` called more often than the optimizer steps, once per micro-batch under gradient accumulation:
+    fires when it is most of the sampled steps that could tell (a loop that steps its optimizer every other step
+    is the same mistake). A step the loss scaler skipped (no optimizer step by design) and a step a crash cut off
+    are left out."""
     idle, told = _steps_without_update(run)
-    if len(idle) < 2 or len(idle) * 2 < len(told):
+    at, classes, cut = _unfollowed_steps(run)
+    listed = set(at)
+    other = [s for s in idle if s in listed]
+    # past the steps the capture listed (the first AT_MAX), a step's cause is not known: neither is said of it
+    unknown = [s for s in idle if cut and at and s > at[-1]]
+    rest = [s for s in idle if s not in listed and s not in unknown]
+    could_tell = [s for s in told if s not in listed and s not in unknown]
+    accumulation = len(rest) >= 2 and len(rest) * 2 >= len(could_tell)
+    if not other and not accumulation:
         return
+    accumulation_said = (
+        f"On {len(rest)} of {len(could_tell)} sampled steps with weight gradients "
+        f"({_listed([str(s) for s in rest], 6)}) the optimizer did not step, and the loss scaler skipped none of "
+        "them. precprof's step is the optimizer's: called once per micro-batch (gradient accumulation), each of "
+        "its steps is a micro-batch, the weight gradients of those steps are partial sums, and the step counts, "
+        "the loss curve and the sampling budget are per micro-batch."
+    )
+    accumulation_fix = (
+        "Call prof.step() once per optimizer step, after optimizer.step() (pass the mean loss of its "
+        "micro-batches)."
+    )
+    numbers: dict[str, Number] = {"steps_without_update": len(idle), "sampled_steps_with_grads": len(told)}
+    if not other:
+        plan.add(
+            Finding(
+                "steps_without_update",
+                WARNING,
+                "prof.step() is called more often than the optimizer steps",
+                accumulation_said,
+                accumulation_fix,
+                numbers=numbers,
+            )
+        )
+        return
+    given = (run.summary.get(T.SUMMARY_CAPTURE) or {}).get("optimizer") or {}
+    name = given.get("class") if isinstance(given, dict) else None
+    # (the new optimizer is often of the old one's class: "another AdamW")
+    others = f"another {name}" if name and classes == [name] else ", ".join(classes) or "another optimizer"
     plan.add(
         Finding(
             "steps_without_update",
             WARNING,
-            "prof.step() is called more often than the optimizer steps",
-            f"On {len(idle)} of {len(told)} sampled steps with weight gradients ({_listed([str(s) for s in idle], 6)})"
-            " the optimizer did not step, and the loss scaler skipped none of them. precprof's step is the "
-            "optimizer's: called once per micro-batch (gradient accumulation), each of its steps is a "
-            "micro-batch, the weight gradients of those steps are partial sums, and the step counts, the loss "
-            "curve and the sampling budget are per micro-batch.",
-            "Call prof.step() once per optimizer step, after optimizer.step() (pass the mean loss of its "
-            "micro-batches).",
-            numbers={"steps_without_update": len(idle), "sampled_steps_with_grads": len(told)},
+            "An optimizer the Profiler was not given stepped the model's parameters",
+            f"On {len(other)} of {len(told)} sampled steps with weight gradients ({_listed([str(s) for s in other], 6)})"
+            f" the optimizer the Profiler was given{f' ({name})' if name else ''} did not step, and an optimizer it "
+            f"was not given ({others}) stepped the model's parameters: a new optimizer made mid-run (after "
+            "unfreezing layers) and not handed to the Profiler. Its updates were not read: the weight-update rows, "
+            "the lost-update shares and the update-to-weight ratios are of the sampled steps the optimizer it was "
+            "given stepped, and the memory table counts the states of the optimizer the Profiler was given, not the other's."
+            + (f" {accumulation_said}" if accumulation else "")
+            + (
+                f" Past sampled step {at[-1]} the capture lists no more steps: {len(unknown)} sampled steps after it"
+                " without an update are not judged."
+                if unknown
+                else ""
+            ),
+            "Call prof.use_optimizer(new_opt) once the new optimizer is made, before its first step()."
+            + (f" {accumulation_fix}" if accumulation else ""),
+            numbers={**numbers, "steps_other_optimizer": len(other)},
         )
     )
