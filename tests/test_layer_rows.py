@@ -11,6 +11,7 @@ from torch import nn
 
 import precprof
 from precprof import tables as T
+from precprof.analysis import memory_projection
 from precprof.report import environment, render
 from precprof.report import summarize as S
 
@@ -79,15 +80,17 @@ def test_a_tied_head_and_a_frozen_layer_say_so_in_their_rows() -> None:
 
 
 def test_a_layer_unfrozen_and_frozen_again_is_not_called_frozen() -> None:
-    """Gradual unfreezing: ``mid`` frozen on steps 0-1, trained on 2-3, frozen again on 4-5. It is not "frozen"
-    (its rows have gradients and updates on 2-3): the summary says when it trained, the layer's row "trained on
-    steps 2-3", and the model's trainable counts are per run of sampled steps (the end's alone were said)."""
+    """Gradual unfreezing: ``mid`` frozen on steps 0-1, trained on 2-3, frozen again on 4-5, and the whole model
+    frozen after the loop (before an export). It was called "frozen" (beside its gradient and update rows on 2-3),
+    and every layer with it: the summary now says when each trained, the row "trained on steps 2-3", and the
+    model's trainable counts are per run of sampled steps, the memory textbook's of the step measured (the end's
+    alone were said: 0 of them train)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 8))
     model[1].requires_grad_(False)
     model[2].requires_grad_(False)  # frozen throughout
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with precprof.Profiler(model, optimizer=opt, sample_every=1, memory=False) as prof:
+    with precprof.Profiler(model, optimizer=opt, sample_every=1) as prof:
         for step in range(6):
             if step in (2, 4):
                 model[1].requires_grad_(step == 2)
@@ -95,38 +98,40 @@ def test_a_layer_unfrozen_and_frozen_again_is_not_called_frozen() -> None:
             opt.step()
             opt.zero_grad(set_to_none=True)
             prof.step()
+        model.requires_grad_(False)
     summary = {T.SUMMARY_CAPTURE: prof.summary()}
     assert T.frozen_params(summary) == {"2": ["weight", "bias"]}  # (the layer frozen throughout, alone)
     runs = [[0, 1, False, False], [2, 3, True, True], [4, 5, False, False]]
-    assert T.trainable_changed(summary) == {
-        "1": {p: {"runs": runs, "end": False} for p in ("weight", "bias")}
-    }
+    changed = T.trainable_changed(summary)
+    assert changed["1"] == {p: {"runs": runs, "end": False} for p in ("weight", "bias")}
+    assert changed["3"]["weight"] == {"runs": [[0, 5, True, True]], "end": False} and "2" not in changed
     n_all, n_mid = sum(p.numel() for p in model.parameters()), 20
-    n_end = n_all - 2 * n_mid
+    n_rest = n_all - 2 * n_mid
     assert T.trainable_changes(summary) == {
-        "numel": [[0, 1, n_end], [2, 3, n_end + n_mid], [4, 5, n_end]],
-        "most": n_end + n_mid,
-        "end": n_end,
+        "numel": [[0, 1, n_rest], [2, 3, n_rest + n_mid], [4, 5, n_rest]],
+        "most": n_rest + n_mid,
+        "end": 0,
     }
-    assert T.trainable_at(summary, 3) == n_end + n_mid and T.trainable_at(summary, 9) is None
-    assert (
-        T.trainable_changes({}) == {} and T.trainable_changed({}) == {}
-    )  # a run recorded before: nothing said
+    assert T.trainable_at(summary, 3) == n_rest + n_mid and T.trainable_at(summary, 9) is None
+    assert T.trainable_changes({}) == T.trainable_changed({}) == {}  # a run recorded before: nothing said
     layers = prof.tables()["layers"]
     rows = {
         r["module"]: r
-        for r in S.layer_records(
-            layers, T.shared_params(summary), T.frozen_params(summary), changed=T.trainable_changed(summary)
-        )
+        for r in S.layer_records(layers, T.shared_params(summary), T.frozen_params(summary), changed=changed)
     }
     label, tip = rows["1"]["trainable_changed"]
     assert (rows["1"]["frozen"], label) == ([], "weight, bias trained on steps 2\u20133"), rows["1"]
-    assert "False on sampled steps 0\u20131, True on 2\u20133, False on 4\u20135; False at the end" in tip, (
-        tip
-    )
+    assert "False on sampled steps 0\u20131, True on 2\u20133, False on 4\u20135; False at the end" in tip
+    assert rows["3"]["trainable_changed"][0] == "weight, bias trained on steps 0\u20135"
     assert rows["2"]["frozen"] == ["weight", "bias"] and rows["2"]["trainable_changed"] is None
-    said = environment.trainable_changes_said(summary)
-    assert said == (
-        f"requires_grad changed during the run: {n_end} parameters trained on sampled steps 0\u20131, "
-        f"{n_end + n_mid} on 2\u20133, {n_end} on 4\u20135 (at most {n_end + n_mid} at once)"
-    ), said
+    # the memory textbook's gradients are of those that trained on the step measured (the last), not at the end
+    memory = memory_projection.project(prof.tables()["memory"], summary, facts=prof._tracker.model_facts())
+    saved = {**summary, T.SUMMARY_MEMORY: memory}
+    assert memory["step"] == 5 and memory["model"]["n_trainable"] == 0  # (memory.model: the end's)
+    textbook = next(a for a in memory["assumptions"] if a.startswith("Textbook"))
+    assert f"the gradients' N is the {n_rest:,} of {n_all:,} parameters that train on step 5, " in textbook
+    assert environment.trainable(saved, 5) == (n_rest, n_all) and environment.trainable(saved) == (0, n_all)
+    assert environment.trainable_changes_said(summary) == (
+        f"requires_grad changed during the run: {n_rest} parameters trained on sampled steps 0\u20131, "
+        f"{n_rest + n_mid} on 2\u20133, {n_rest} on 4\u20135 (at most {n_rest + n_mid} at once)"
+    )
