@@ -93,6 +93,15 @@ def test_a_new_optimizer_the_profiler_was_not_given_is_said_once() -> None:
     lost = found["bf16_lost_updates"]
     assert "on 3 sampled steps (3, 4, 5) an optimizer it was not given (AdamW) stepped" in lost.message
     assert lost.numbers["steps_other_optimizer"] == 3
+    # past the steps the capture lists (its first AT_MAX), a step without an update is judged neither way
+    capture = prof.summary()
+    capture["loop_order"]["optimizer_not_followed"]["at"] = [3, 4]
+    cut = advisor.recommend(dict(prof.tables()), summary={T.SUMMARY_CAPTURE: capture}).findings
+    f = next(f for f in cut if f.code == "steps_without_update")
+    assert f.numbers["steps_other_optimizer"] == 2 and "micro-batch" not in f.message
+    assert f.message.endswith(
+        "Past sampled step 4 the capture lists no more steps: 1 sampled step after it without an update is not judged."
+    )
 
 
 def test_prof_step_every_third_optimizer_step_is_said() -> None:

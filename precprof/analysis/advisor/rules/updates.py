@@ -697,14 +697,19 @@ def _rule_steps_without_update(run: _Run, plan: _Plan) -> None:
             "An optimizer the Profiler was not given stepped the model's parameters",
             f"On {len(other)} of {len(told)} sampled steps with weight gradients ({_listed([str(s) for s in other], 6)})"
             f" the optimizer the Profiler was given{f' ({name})' if name else ''} did not step, and an optimizer it "
-            f"was not given ({others}) stepped the model's parameters: a new optimizer made mid-run (after "
-            "unfreezing layers) and not handed to the Profiler. Its updates were not read: the weight-update rows, "
+            f"was not given ({others}) stepped the model's parameters, as a new optimizer made mid-run (after "
+            "unfreezing layers, say) and not handed to the Profiler does. Its updates were not read: the weight-update rows, "
             "the lost-update shares and the update-to-weight ratios are of the sampled steps the optimizer it was "
             "given stepped, and the memory table counts the states of the optimizer the Profiler was given, not the other's."
             + (f" {accumulation_said}" if accumulation else "")
             + (
-                f" Past sampled step {at[-1]} the capture lists no more steps: {len(unknown)} sampled steps after it"
-                " without an update are not judged."
+                f" Past sampled step {at[-1]} the capture lists no more steps: {len(unknown)} sampled "
+                + (
+                    "step after it without an update is"
+                    if len(unknown) == 1
+                    else "steps after it without an update are"
+                )
+                + " not judged."
                 if unknown
                 else ""
             ),
