@@ -1599,6 +1599,37 @@ def test_steps_a_killed_job_never_flushed_are_named_and_the_curve_breaks_there(t
     assert len(P._broken_at_holes(*given, np.arange(7))[0]) == 3
 
 
+def test_a_resumed_run_goes_on_thinning_from_its_earlier_attempts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The budget samples a run's first ``DENSE_SAMPLES`` budgeted steps at its pace, then ever fewer; a resumed
+    attempt began its own dense ones, so a preemptible job resumed every few hours never thinned. The attempt
+    replays the budgeted samples of the steps before it (here every step past the first two is one where the
+    thinning allows it, the dense ones 3)."""
+    from precprof.capture import sampling as S
+
+    monkeypatch.setattr(S, "DENSE_SAMPLES", 3)
+    monkeypatch.setattr(S.Sampler, "_fits", lambda self, limit: True)
+    monkeypatch.setattr(S.Sampler, "_base_in_doubt", lambda self: False)
+    out = tmp_path / "run"
+    killed = tiny_run(out, 8, sample_every=None)
+    killed._owned_run.release()
+    earlier = killed.tables()["steps"]
+    budgeted = earlier[(earlier[T.STEP] < 6) & (earlier[T.SAMPLE_REASON] == S.REASON_BUDGET)][T.STEP].tolist()
+    assert budgeted == [2, 3, 4]  # (5 too close to 4 once the 3 dense ones were taken: at least 2 apart)
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with precprof.Profiler(model, opt, out=out, resume=True, first_step=6) as prof:
+        replayed = S.Sampler(every=None)
+        replayed.resumed(budgeted)
+        assert (prof._sampler.budgeted_samples, prof._sampler.thin_gap) == (3, replayed.thin_gap) == (3, 2)
+        for step in range(6, 9):
+            train_step(model, opt, prof, step)
+    prof.save()
+    assert T.read_summary(out)["capture"]["sampling"]["thinned"]["after"] == 3
+
+
 def test_a_resumed_runs_sampling_row_says_it_is_the_last_attempts(tmp_path: Path) -> None:
     """A run resumed at step 800: the header said 107 sampled steps (the run's), the sampling row "14 of 2,200
     steps" (the last attempt's) without saying whose. It says so."""

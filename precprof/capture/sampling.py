@@ -218,6 +218,13 @@ class Sampler:
         elif past > 0 and past % THIN_EVERY == 0:
             self.thin_gap *= 2
 
+    def resumed(self, budgeted: Any) -> None:
+        """The steps the earlier attempts of a resumed run sampled within the budget: the thinning goes on from
+        theirs (each attempt took its ``DENSE_SAMPLES`` at the budget's pace: a run resumed every few hours, as a
+        preemptible job is, never thinned)."""
+        for step in sorted(int(s) for s in budgeted):
+            self._thin(step)
+
     def _spacing(self) -> int:
         """The fewest steps between two budgeted samples: ``SPACING`` times the gap at which sampled steps spend
         the budget as they go. Time the budget left unspent (steps held unsampled while the base was in doubt,
