@@ -27,6 +27,7 @@ import pyarrow.parquet as pq
 from precprof import _atomic, parts
 from precprof.errors import DamagedRunDirError
 from precprof.schema import (
+    CALLS,
     COUNT,
     DTYPE,
     EXPONENT,
@@ -38,6 +39,7 @@ from precprof.schema import (
     STEP,
     TABLES,
     TENSOR,
+    WEIGHT_GRAD,
     empty,
     flags,
     frame,
@@ -240,16 +242,27 @@ def shared_params(summary: Mapping[str, Any] | None) -> dict[str, Any]:
     return dict(shared) if isinstance(shared, Mapping) else {}
 
 
-def frozen_params(summary: Mapping[str, Any] | None) -> dict[str, list[str]]:
+def frozen_params(
+    summary: Mapping[str, Any] | None, layers: pd.DataFrame | None = None
+) -> dict[str, list[str]]:
     """Per captured module, its parameters that do not train (the capture's ``modules[].frozen``), for the
-    modules with some; {} for a run recorded before the capture wrote them."""
+    modules with some; {} for a run recorded before the capture wrote them. With ``layers`` (the run's layers
+    table), not those whose gradient a sampled step read (a ``weight_grad`` row with calls): the capture's word
+    is its last attempt's, and a resumed run's layer trained before the restart and frozen after it was called
+    frozen beside its own gradient rows."""
     capture = (summary or {}).get(SUMMARY_CAPTURE)
     modules = capture.get("modules") if isinstance(capture, Mapping) else None
+    trained: set[tuple[str, str]] = set()
+    if layers is not None and not layers.empty and CALLS in layers:
+        grads = layers[(layers[TENSOR] == WEIGHT_GRAD) & (pd.to_numeric(layers[CALLS], errors="coerce") > 0)]
+        trained = set(zip(texts(grads[MODULE]), texts(grads[PARAM]), strict=True))
     out: dict[str, list[str]] = {}
     for m in modules if isinstance(modules, list) else []:
         frozen = m.get("frozen") if isinstance(m, Mapping) else None
         if isinstance(frozen, list) and frozen and isinstance(m.get("name"), str):
-            out[m["name"]] = [str(p) for p in frozen]
+            kept = [str(p) for p in frozen if (m["name"], str(p)) not in trained]
+            if kept:
+                out[m["name"]] = kept
     return out
 
 

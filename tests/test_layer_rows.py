@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import html
 import re
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -135,3 +136,89 @@ def test_a_layer_unfrozen_and_frozen_again_is_not_called_frozen() -> None:
         f"requires_grad changed during the run: {n_rest} parameters trained on sampled steps 0\u20131, "
         f"{n_rest + n_mid} on 2\u20133, {n_rest} on 4\u20135 (at most {n_rest + n_mid} at once)"
     )
+
+
+def _attempt(out: object, first: int, last: int, mid: bool, resume: bool) -> precprof.Profiler:
+    """Steps ``first`` to ``last`` of a tiny run streamed into ``out``, its middle layer trained or not."""
+    torch.manual_seed(first)
+    model = nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 4), nn.Linear(4, 8))
+    model[1].requires_grad_(mid)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    kw = {"resume": True, "first_step": first} if resume else {}
+    with precprof.Profiler(model, optimizer=opt, sample_every=1, out=out, memory=False, **kw) as prof:
+        for _ in range(first, last):
+            model(torch.randint(0, 8, (2, 3))).square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            prof.step()
+    prof.report()
+    return prof
+
+
+def test_a_resumed_run_and_a_run_without_memory_say_what_trained(tmp_path: object) -> None:
+    """Reviewer r1: a resumed run's layer trained before the restart (steps 0-2) and frozen after it was called
+    "frozen throughout" beside its own gradient rows (the capture's word is its last attempt's): the page holds it
+    to the tables. Without memory measured, the Model row said "all train at the end" of a run whose end froze a
+    layer (the memory breakdown's count, missing, read as all): the capture's end count is said. A layer frozen on
+    every sampled step and set to train after them had its label dropped ("—"), reading "on steps none"."""
+    out = Path(str(tmp_path)) / "run"
+    _attempt(out, 0, 3, True, False)
+    _attempt(out, 3, 6, False, True)
+    summary, layers = T.read_summary(out), T.read_tables(out)["layers"]
+    assert T.frozen_params(summary) == {"1": ["weight", "bias"]}  # the last attempt's word
+    assert T.frozen_params(summary, layers) == {}  # its gradient rows of steps 0-2
+    page = (out / T.REPORT_FILE).read_text()
+    row = re.search(r'<tr><td data-v="\d+">\d+</td><td class="mod"><code>1</code>.*?</tr>', page, re.S)
+    assert row is not None and "frozen" not in row.group(0)
+    # memory off, the middle layer trained on steps 1-2 only: the Model row's end count is the capture's
+    # memory off; the middle layer trained on steps 1-2, the last frozen at the end, the embedding frozen on
+    # every sampled step and set to train after them
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 4), nn.Linear(4, 8))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model[0].requires_grad_(False)
+    with precprof.Profiler(model, optimizer=opt, sample_every=1, memory=False) as prof:
+        for step in range(4):
+            model[1].requires_grad_(step in (1, 2))
+            model(torch.randint(0, 8, (2, 3))).square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            prof.step()
+        model[2].requires_grad_(False)
+        model[0].requires_grad_(True)
+    page = prof.report(Path(str(tmp_path)) / "memory-off").read_text()
+    capture = prof.summary()
+    n = sum(p.numel() for p in model.parameters())
+    said = dict(environment._model({}, {}, capture)).get("size", "")
+    end = n - 20 - 40  # the middle layer's 4 x 4 + 4 and the last one's 4 x 8 + 8 frozen at the end
+    assert said.startswith(f"{end} of {n} parameters train at the end"), said
+    label = "weight frozen on every sampled step, requires_grad at the end"
+    assert T.trainable_changed({T.SUMMARY_CAPTURE: capture})["0"]["weight"]["end"] is True
+    row = re.search(r'<tr><td data-v="\d+">\d+</td><td class="mod"><code>0</code>.*?</tr>', page, re.S)
+    assert row is not None and label in html.unescape(row.group(0)), row
+
+
+def test_the_memory_textbooks_count_is_said_of_the_step_it_is_of() -> None:
+    """Reviewer r1: where requires_grad changed during the run, the textbook line said "on step 5, the step
+    measured" of the end's count whenever step 5 was in none of the sampled steps' runs (a step cut off by a
+    crash, an earlier attempt's): it says "at the end" then, and "not training then" where "frozen" meant frozen
+    throughout."""
+    src = (Path(render.templates_dir()) / "_memory.html.j2").read_text()
+    line = next(x for x in src.splitlines() if 'id="memory-trainable"' in x)
+    tpl = render.environment().from_string(line.replace("tab is sameas memory.textbook and ", ""))
+    summary = {
+        T.SUMMARY_CAPTURE: {"trainable_changes": {"numel": [[10, 15, 150]], "most": 150, "end": 60}},
+        T.SUMMARY_MEMORY: {"step": 5, "model": {"n_params": 200, "n_trainable": 60}},
+    }
+    for step, said in ((5, "60 of 200 parameters train at the end (30%), 140 not training then"), (12, None)):
+        memory = {
+            "trainable": environment.trainable(summary, step),
+            "trainable_changes": environment.trainable_changes_said(summary),
+            "trainable_on_step": T.trainable_at(summary, step) is not None,
+            "step_measured": step,
+        }
+        text = re.sub(r"<[^>]+>", "", tpl.render(memory=memory))
+        if said is None:
+            assert text.startswith("150 of 200 parameters train on step 12, the step measured (75%)"), text
+        else:
+            assert text.startswith(said), text

@@ -669,8 +669,10 @@ def _memory(
         # (parameters that train, all of them) where some are frozen: the textbook's gradients and states are of
         # those that train
         "trainable": environment.trainable(summary, mem.get("step")),
-        # requires_grad changed during the run: those counts are the step measured's ("" where it did not)
+        # requires_grad changed during the run ("" where it did not): the counts are the step measured's where the
+        # sampled steps saw it (``trainable_on_step``), else the end's
         "trainable_changes": environment.trainable_changes_said(summary),
+        "trainable_on_step": T.trainable_at(summary, mem.get("step")) is not None,
         "step_measured": mem.get("step"),
         "claim": claim.get("text")
         if isinstance(claim, Mapping)
@@ -956,7 +958,7 @@ def build_context(
     layer_rows = S.layer_records(
         layers,
         T.shared_params(summary),
-        T.frozen_params(summary),
+        T.frozen_params(summary, layers),
         order,
         weights,
         T.trainable_changed(summary),

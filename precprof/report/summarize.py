@@ -495,12 +495,13 @@ def trainable_said(changed: Mapping[str, Any]) -> tuple[str, str] | None:
     said: dict[tuple[str, str], list[str]] = {}
     for pname, v in changed.items():
         runs = [r for r in v.get("runs") or [] if isinstance(r, Sequence) and len(r) >= 4]
-        trained = [r for r in runs if r[3]]
-        label = (
-            f"trained on steps {_step_runs(trained)}"
-            if trained
-            else f"requires_grad on steps {_step_runs([r for r in runs if r[2]]) or 'none'}, no gradient"
-        )
+        trained, wanted = [r for r in runs if r[3]], [r for r in runs if r[2]]
+        if trained:
+            label = f"trained on steps {_step_runs(trained)}"
+        elif wanted:
+            label = f"requires_grad on steps {_step_runs(wanted)}, no gradient"
+        else:  # (requires_grad set after the last sampled step)
+            label = "frozen on every sampled step" + (", requires_grad at the end" if v.get("end") else "")
         states = ", ".join(
             f"{bool(r[2])} on {'sampled steps ' if k == 0 else ''}{_step_runs([r])}"
             for k, r in enumerate(runs)
