@@ -437,11 +437,30 @@ def test_a_long_runs_budgeted_samples_grow_with_the_log_of_its_length() -> None:
     assert thinned == {"after": S.DENSE_SAMPLES, "doubling_every": S.THIN_EVERY, "least_gap": s.thin_gap}
     s.observe_values(math.nan, False)
     assert s.decide(20_000) == "nonfinite loss"
-    # ranks planning their budgeted steps together keep the same gaps
-    synced = S.Sampler(every=None, budget=0.03, synchronized=True)
-    synced.thin_gap = 64
-    drive(synced, 30, unsampled_s=0.010, sampled_s=0.011)
-    assert synced.plan_gap() >= 64
+    # a loss scale that skips a step every 25: the steps sampled after those thin as the budgeted ones do (3,200
+    # of 80,000 steps were sampled within twice the budget, reviewer r1)
+    skips = S.Sampler(every=None, budget=0.03)
+    for step in range(20_000):
+        r = skips.decide(step)
+        skips.observe(step, r, 0.011 if r else 0.010)
+        skips.observe_values(1.0, step % 25 == 0)
+    assert skips.thin_gap > 0 and skips.reasons["skipped step"] < 400  # (800 before)
+    # two ranks of other step times, planning their budgeted steps together (next one: the latest of their plans,
+    # as the Profiler reduces them): the same decisions, thinned alike
+    ranks = [S.Sampler(every=None, budget=0.03, synchronized=True) for _ in range(2)]
+    rng = random.Random(0)
+    for step in range(20_000):
+        decided = {rank.decide(step) for rank in ranks}
+        assert len(decided) == 1, (step, decided)
+        r = decided.pop()
+        for rank, base in zip(ranks, (0.010, 0.013), strict=True):
+            rank.observe(step, r, base * (1.1 if r else 1.0) * rng.uniform(0.95, 1.05))
+        if r:
+            gap = max(rank.plan_gap() for rank in ranks)
+            for rank in ranks:
+                rank.next_step = step + gap
+    assert ranks[0].thin_gap == ranks[1].thin_gap > 0
+    assert ranks[0].budgeted_samples == ranks[1].budgeted_samples < S.DENSE_SAMPLES + 6 * S.THIN_EVERY
     assert S.Sampler(every=None).describe()["thinned"] is None
     # the report's "steps sampled" row says it, from the summary
     from precprof.report import environment
@@ -449,7 +468,8 @@ def test_a_long_runs_budgeted_samples_grow_with_the_log_of_its_length() -> None:
     text = environment.sampling_text(s.describe(), sum(map(bool, reasons)), 20_000)
     assert (
         f"; past 200 sampled within the budget, each 100 more came at least twice as far apart (at the end at "
-        f"least {s.thin_gap} steps apart), so that what the run records grows with the log of its length"
+        f"least {s.thin_gap} steps apart), and so did those after an event of a kind seen before, so that what the "
+        "run records grows with the log of its length"
     ) in text, text
     assert "twice as far" not in environment.sampling_text(S.Sampler(every=None).describe(), 0, 10)
 

@@ -18,8 +18,9 @@ run's time, 3% by default). It samples
   grows with its sampled steps (the run directory, and the memory and time its end takes to advise and render:
   a 48-layer Llama's rows of 100 sampled steps replayed 5 times took 3.8 GB and 50 s of CPU to advise), so the
   budget's pace holds for the first ``DENSE_SAMPLES`` budgeted samples; after them each ``THIN_EVERY`` more come
-  at least twice as far apart as the ones before (from twice the dense samples' mean gap on), and a run's
-  samples grow with the log of its length, not with it (``thin_gap``).
+  at least twice as far apart as the ones before (from twice the dense samples' mean gap on), and so do the
+  steps sampled after an event of a kind seen before: a run's samples grow with the log of its length, not with
+  it (``thin_gap``).
 
 Under torch.distributed every rank must sample the same steps (a sampled step ends in collectives), while
 each measures its own times: there the next budgeted step is planned at the end of each sampled step
@@ -151,6 +152,7 @@ class Sampler:
     budgeted_samples: int = 0  # steps sampled for the budget (``REASON_BUDGET``)
     _first_budgeted: int = 0  # the first of them
     thin_gap: int = 0  # the fewest steps between budgeted samples past ``DENSE_SAMPLES`` (0 before)
+    _triggered: dict[str, int] = field(default_factory=dict)  # the last step sampled for each event's kind
 
     @property
     def compile_steps(self) -> int:
@@ -196,7 +198,16 @@ class Sampler:
         if self._firsts < FIRST_STEPS:
             return REASON_FIRST
         trigger, self._pending_trigger = self._pending_trigger, ""
-        if trigger and (trigger not in self.reasons or self._fits(TRIGGER_HEADROOM * self.budget)):
+        if trigger and (
+            trigger not in self.reasons
+            # (past the dense samples, those of a kind seen before no closer than the budgeted ones: a scale
+            # that skipped a step every 25 sampled 3,200 steps in 80,000 within twice the budget)
+            or (
+                self._fits(TRIGGER_HEADROOM * self.budget)
+                and step - self._triggered.get(trigger, -step) >= self.thin_gap
+            )
+        ):
+            self._triggered[trigger] = step
             return trigger
         if self._base_in_doubt() or step - self._last_budget < max(self._spacing(), self.thin_gap):
             return ""

@@ -885,8 +885,8 @@ def sampling_text(
     if after and every and gap:
         text += (
             f"; past {F.count(after)} sampled within the budget, each {F.count(every)} more came at least twice as "
-            f"far apart (at the end at least {F.count(gap)} steps apart), so that what the run records grows with "
-            "the log of its length"
+            f"far apart (at the end at least {F.count(gap)} steps apart), and so did those after an event of a kind "
+            "seen before, so that what the run records grows with the log of its length"
         )
     if s.get("synchronized"):
         text += "; every rank sampled the same steps"
