@@ -1822,6 +1822,10 @@ def test_a_diverged_runs_loss_is_on_a_log_axis_and_its_nan_norms_are_marked() ->
     np.testing.assert_array_equal(marks.get_xdata(), np.flatnonzero(np.isnan(norm)))
     labels = [t.get_text() for t in fig.legends[0].get_texts()]
     assert "gradient norm not finite (nan/inf)" in labels
+    # a loop that never passed a norm, one loss nan: no norm was taken, none was not finite (tester t2)
+    unclipped = steps.assign(**{T.LOSS: np.where(np.arange(n) == 20, math.nan, 2.0), T.GRAD_NORM: math.nan})
+    fig = plots.training_figure(unclipped)
+    assert fig is not None and [t.get_text() for t in fig.axes[2].texts] == ["no gradient norm recorded"]
     # a healthy loss (5.5 down to 2) stays on a linear axis
     healthy = steps.assign(**{T.LOSS: np.linspace(5.5, 2.0, n), T.GRAD_NORM: np.linspace(1.0, 0.5, n)})
     fig = plots.training_figure(healthy)
