@@ -102,3 +102,13 @@ def test_the_exact_columns_labels_keep_apart_where_the_worst_step_is_next_to_the
             col = next(c for c, what in tl.exact.items() if what == t.get_text().split("\n")[0])
             x = ax.transData.transform((col + 0.5, 0))[0]
             assert abs((box.x0 + box.x1) / 2 - x) < 1, (t.get_text(), box, x)
+
+
+def test_columns_of_uneven_spans_say_so() -> None:
+    """A long run's sampling thins out: half the strip was its first 4,500 of 30,000 steps, and nothing said the
+    columns were sampled steps spanning ever more steps (tester t2). The caption says so where the spans differ
+    by 4x or more; not for a run sampled at an even pace."""
+    thinned = [*range(0, 200), *range(200, 2200, 50)]
+    assert "a column spans 1 to 50 steps (sampling thins out over a long run)" in _timeline(thinned).note
+    assert "thins out" not in _timeline(list(range(0, 500, 5))).note
+    assert "thins out" not in _timeline([0, 1, 2, 3, 4, *range(5, 500, 5)]).note

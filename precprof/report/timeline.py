@@ -64,12 +64,28 @@ class Timeline:
     @property
     def note(self) -> str:
         if not self.aggregated:
-            return f"One column per sampled step ({self.n_steps})."
+            return f"One column per sampled step ({self.n_steps}).{self._uneven}"
         kept = ", ".join(f"{what} (step {int(self.starts[i])})" for i, what in sorted(self.exact.items()))
         return (
             f"{self.n_steps:,} sampled steps in {len(self.starts)} columns: windows of up to {self.window} "
             f"consecutive sampled steps, each the values lost summed over its steps divided by the values seen; "
-            f"kept exact, one step a column: {kept}."
+            f"kept exact, one step a column: {kept}.{self._uneven}"
+        )
+
+    @property
+    def _uneven(self) -> str:
+        """Where the columns span very different numbers of steps (a long run's sampling thins out: half the
+        figure was the first 4,500 of 30,000 steps, and nothing said so, tester t2), that the axis is of sampled
+        steps; "" where they are about even."""
+        spans = np.diff(self.starts.astype(float))
+        if len(spans) < 4:
+            return ""
+        lo, hi = float(np.median(spans)), float(spans.max())
+        if hi < 4 * max(lo, 1.0):
+            return ""
+        return (
+            f" The columns are evenly spaced sampled steps, not steps: a column spans {int(spans.min()):,} to "
+            f"{int(hi):,} steps (sampling thins out over a long run), as the step labels show."
         )
 
 
