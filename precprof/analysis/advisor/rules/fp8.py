@@ -553,16 +553,21 @@ def _pushed_words(most: float | None, module: str | None, pooled: list[str]) -> 
 
 def _called_again(run: _Run, layers: list[str]) -> dict[str, int]:
     """The layers of ``layers`` called more than once in a forward (a layer shared across calls, ALBERT's
-    blocks): on a sampled step, more calls of their own (``activation`` rows) than backward passes into their
-    weight's gradient (``weight_grad`` rows: the micro-batches, summed over ranks, as the calls are), with the
-    most calls per backward; a layer without a weight gradient (frozen) is not among them."""
+    blocks): on a sampled step, more calls of their own (``activation`` rows) than the step's backward passes,
+    with the most calls per backward. A step's backward passes are the most ``weight_grad`` calls of any
+    parameter on that step (the micro-batches, summed over ranks, as the calls are): taken from the step, not
+    from the layer, so that a shared layer whose weight is frozen (LoRA on an ALBERT-like model), which has no
+    gradient of its own, is recognised too."""
     acts, grads = run.kind(T.ACTIVATION), run.kind(T.WEIGHT_GRAD)
-    grads = grads[T.texts(grads[T.PARAM]) == T.WEIGHT]
     called = acts.groupby([T.texts(acts[T.MODULE]).to_numpy(), acts[T.STEP].to_numpy()])[T.CALLS].sum()
-    passes = grads.groupby([T.texts(grads[T.MODULE]).to_numpy(), grads[T.STEP].to_numpy()])[T.CALLS].sum()
-    both = pd.concat({"calls": called, "passes": passes}, axis=1).dropna()
-    both = both[(both["passes"] > 0) & (both["calls"] > both["passes"])]
-    per = (both["calls"] / both["passes"]).groupby(level=0).max()
+    per_param = grads.groupby(
+        [T.texts(grads[T.MODULE]).to_numpy(), T.texts(grads[T.PARAM]).to_numpy(), grads[T.STEP].to_numpy()]
+    )[T.CALLS].sum()
+    passes = per_param.groupby(level=2).max()
+    calls = called.rename_axis(["module", "step"]).reset_index(name="calls")
+    calls["passes"] = calls["step"].map(passes)
+    both = calls[(calls["passes"] > 0) & (calls["calls"] > calls["passes"])]
+    per = (both["calls"] / both["passes"]).groupby(both["module"]).max()
     return {m: math.ceil(float(per[m])) for m in layers if m in per.index}
 
 
