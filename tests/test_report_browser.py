@@ -163,7 +163,7 @@ window.addEventListener("load", function () { setTimeout(function () {
 </script>"""
 LAYOUT_WIDTHS = (1400, 800)
 # the queries FILTER_PROBE types into each table's filter box, one after the other, then clears it
-FILTER_QUERIES = ("transformer.h.1", "h.1", "h.1.attn", "c_proj", "transformer.h.", "conv1d")
+FILTER_QUERIES = ("transformer.h.1", "h.1", "h.1.attn", "c_proj", "transformer.h.", "conv1d", "dropout")
 # before the LAYOUT_PROBE (see ``layout``): types each query into each filter box and records the module names of
 # the rows it leaves shown, as JSON in the DOM; the box cleared, the tables are as they were
 FILTER_PROBE = """<script>
@@ -409,7 +409,9 @@ def test_page_of_a_large_model_hides_no_row_and_cuts_no_list(tmp_path: Path) -> 
     )
     doms = check_layout(page, tmp_path, before=FILTER_PROBE)
     # the filter boxes: a query that is whole parts of a module's name keeps that module's rows, "h.1" not h.10 to
-    # h.19 ("transformer.h.1" kept 11 blocks' rows); any other query is looked for in the row's text
+    # h.19 ("transformer.h.1" kept 11 blocks' rows); any other query is looked for in the row's text, a type word
+    # that also names a module ("dropout", as h.N.mlp.dropout; "norm" as Llama's model.norm) too: it kept the
+    # rows of the modules it named alone, not transformer.drop nor attn.resid_dropout
     types = {ly.name: ly.type for ly in layers}
     for width, dom in doms.items():
         m = re.search(r'data-filter="([^"]*)"', dom)
@@ -430,6 +432,7 @@ def test_page_of_a_large_model_hides_no_row_and_cuts_no_list(tmp_path: Path) -> 
             assert got["c_proj"] == [n for n in rows if n.split(":")[0].endswith(".c_proj")]
             assert got["transformer.h."] == [n for n in rows if "transformer.h." in n]
             assert got["conv1d"] == [n for n in rows if types.get(n.split(":")[0]) == "Conv1D"]
+            assert got["dropout"] == [n for n in rows if types.get(n.split(":")[0]) == "Dropout"]
             assert len(names) < len(rows)
 
 

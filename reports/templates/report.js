@@ -86,9 +86,10 @@
       });
     });
   });
-  // filter: a query that is whole parts of a module's dotted name keeps the rows of the modules it names that
-  // way, "layers.4" layers.4, layers.4.attn and layers.4:input, not layers.40 to 47 (nor "h.1" transformer.h.12);
-  // any other query ("c_at", "linear", "bfloat16") keeps the rows whose text holds it
+  // filter: a query with a "." or a digit that is whole parts of a module's dotted name keeps the rows of the
+  // modules it names that way, "layers.4" layers.4, layers.4.attn and layers.4:input, not layers.40 to 47 (nor
+  // "h.1" transformer.h.12); any other query ("c_at", "linear", "bfloat16", and a type word that also names a
+  // module, "norm" with Llama's model.norm, "mlp", "dropout") keeps the rows whose text holds it
   function moduleOf(r) {
     var c = r.querySelector("td.mod code");
     return c ? c.textContent.trim().toLowerCase() : "";
@@ -107,7 +108,7 @@
     if (!table) { return; }
     input.addEventListener("input", function () {
       var q = input.value.trim().toLowerCase(), all = rows(table);
-      var byName = q && all.some(function (r) { return names(moduleOf(r), q); });
+      var byName = /[.0-9]/.test(q) && all.some(function (r) { return names(moduleOf(r), q); });
       all.forEach(function (r) {
         var keep = !q || (byName ? names(moduleOf(r), q) : r.textContent.toLowerCase().indexOf(q) >= 0);
         r.style.display = keep ? "" : "none";
