@@ -27,7 +27,6 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from precprof import hardware
 from precprof import tables as T
 from precprof.analysis.comparison.checks import (
     ASPECT_LOSS,
@@ -388,19 +387,18 @@ def emulation(r: RunResult) -> str:
     """Why ``r``'s throughput says nothing of its format's speed, in the words of the check lines ("" when it
     does): it trained in fp16 on a CPU without fp16 arithmetic, which torch then emulates, about 15x slower than
     fp32. The CPU is the one that recorded the run (its summary.json's ``hardware.fp16_native``), not the one
-    reading it; a run recorded before precprof recorded that is judged by this machine's CPU
-    (``hardware.cpu_fp16_native``), and the sentence says so. The note on the throughput column and the verdict
+    reading it; a run recorded before precprof recorded that has its speed left unjudged, whatever this machine's
+    CPU, and the sentence says the record is missing (judged by this machine's CPU, a laptop's run read on an
+    AVX512-FP16 machine was taken as native without a word). The note on the throughput column and the verdict
     check both go by it: an emulated fp16 run at 1.52x a bf16 run's throughput (noise on a busy machine) had
     "contradicted" an fp32 recommendation."""
     if not (r.precision.startswith("fp16") and r.machine.split(":")[0] == "cpu"):
         return ""
     if r.fp16_native is None:
-        if hardware.cpu_fp16_native():
-            return ""
         return (
-            f"the CPU {r.label} trained on is taken to have no fp16 arithmetic (AVX512-FP16 / AMX-FP16), like "
-            f"this one ({r.label}'s summary.json does not record it), so torch emulated it and {r.label}'s "
-            "throughput says nothing of fp16's speed"
+            f"{r.label}'s summary.json does not record whether the CPU it trained on has fp16 arithmetic "
+            "(AVX512-FP16 / AMX-FP16; it was recorded before precprof did), without which torch emulates it, so "
+            f"{r.label}'s throughput is not taken for fp16's speed"
         )
     if r.fp16_native:
         return ""
@@ -412,23 +410,27 @@ def emulation(r: RunResult) -> str:
 
 def _notes(runs: Sequence[RunResult]) -> list[str]:
     """Caveats for reading the throughput column: the runs whose format the CPU they trained on emulates
-    (``emulation``), and which of them were judged by this machine's CPU for want of a record of theirs."""
-    fp16 = [r for r in runs if r.emulated]
-    if not fp16:
-        return []
-    labels, one = and_list([r.label for r in fp16]), len(fp16) == 1
-    guessed = [r.label for r in fp16 if r.fp16_native is None]
-    return [
-        f"The throughput of {labels} says nothing about fp16 on a GPU: the CPU {'it' if one else 'they'} trained "
-        f"on has no fp16 arithmetic (AVX512-FP16 / AMX-FP16) and torch emulates it; {'its' if one else 'their'} "
-        "numerics are the real ones."
-        + (
-            f" ({and_list(guessed)}'s summary.json does not record its CPU's fp16 arithmetic: this machine's CPU, "
-            "which has none, was read instead.)"
-            if guessed
-            else ""
+    (``emulation``), and apart, those whose summary.json does not record whether it does (their speed is left
+    unjudged)."""
+    notes = []
+    known = [r.label for r in runs if r.emulated and r.fp16_native is not None]
+    unknown = [r.label for r in runs if r.emulated and r.fp16_native is None]
+    if known:
+        labels, one = and_list(known), len(known) == 1
+        notes.append(
+            f"The throughput of {labels} says nothing about fp16 on a GPU: the CPU {'it' if one else 'they'} "
+            f"trained on has no fp16 arithmetic (AVX512-FP16 / AMX-FP16) and torch emulates it; "
+            f"{'its' if one else 'their'} numerics are the real ones."
         )
-    ]
+    if unknown:
+        labels, one = and_list(unknown), len(unknown) == 1
+        notes.append(
+            f"The throughput of {labels} is not taken for fp16's speed: {'its' if one else 'their'} summary.json "
+            f"does not record whether the CPU {'it' if one else 'they'} trained on has fp16 arithmetic "
+            "(AVX512-FP16 / AMX-FP16; recorded before precprof did), without which torch emulates it; "
+            f"{'its' if one else 'their'} numerics are the real ones."
+        )
+    return notes
 
 
 def _how_each_ran(runs: Sequence[RunResult]) -> str:
