@@ -34,19 +34,28 @@ def _fp32_view(p: torch.Tensor) -> tuple[torch.Tensor, bool]:
     return p.to(_working(p)), True
 
 
-def _real_floating(optimizer: Optimizer) -> None:
-    """ValueError, in one line, for a parameter that is not a real floating tensor."""
-    for i, group in enumerate(optimizer.param_groups):
+class _RealFloating(Optimizer):
+    """An optimizer that takes real floating parameters only: checked in ``add_param_group``, which torch's
+    ``Optimizer.__init__`` calls for each group too, so a complex parameter handed over later (a layer unfrozen
+    mid-run, added to the existing optimizer) is refused as at construction (it was taken, and updated with real
+    arithmetic: ``exp_avg_sq`` summed ``grad*grad``, not ``|grad|^2``)."""
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch's, then a ValueError in one line, the group left out, for a parameter that is not a real
+        floating tensor (checked after torch made the group's ``params`` a list: a generator is read once)."""
+        super().add_param_group(param_group)
+        i, group = len(self.param_groups) - 1, self.param_groups[-1]
         for j, p in enumerate(group["params"]):
             if not p.is_floating_point():
+                self.param_groups.pop()
                 raise ValueError(
-                    f"{type(optimizer).__name__} takes real floating parameters; parameter {j} of group {i} is "
+                    f"{type(self).__name__} takes real floating parameters; parameter {j} of group {i} is "
                     f"{str(p.dtype).removeprefix('torch.')} (its update in fp32 would drop the imaginary part): "
                     "use torch.optim's optimizer for it"
                 )
 
 
-class FP32StateAdamW(Optimizer):
+class FP32StateAdamW(_RealFloating):
     """AdamW with fp32 moment estimates for parameters of any floating dtype (no master weights).
 
     Same arguments and update rule as ``torch.optim.AdamW`` without amsgrad: decoupled weight decay
@@ -65,7 +74,6 @@ class FP32StateAdamW(Optimizer):
         if lr < 0 or eps < 0 or weight_decay < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
             raise ValueError(f"invalid AdamW hyper-parameters: lr={lr}, betas={betas}, eps={eps}")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
-        _real_floating(self)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
@@ -105,7 +113,7 @@ class FP32StateAdamW(Optimizer):
         return loss
 
 
-class FP32StateSGD(Optimizer):
+class FP32StateSGD(_RealFloating):
     """SGD with an fp32 momentum buffer for parameters of any floating dtype (no master weights).
 
     Same update as ``torch.optim.SGD`` (no dampening, no Nesterov): ``g += weight_decay * p``,
@@ -123,7 +131,6 @@ class FP32StateSGD(Optimizer):
         if lr < 0 or momentum < 0 or weight_decay < 0:
             raise ValueError(f"invalid SGD hyper-parameters: lr={lr}, momentum={momentum}")
         super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay))
-        _real_floating(self)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]

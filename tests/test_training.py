@@ -339,7 +339,9 @@ def test_fp32_state_adamw_on_low_precision_params(dtype: torch.dtype) -> None:
 def test_fp32_state_optimizers_keep_an_fp64_parameter_in_fp64_and_refuse_a_complex_one(kind: str) -> None:
     """An fp64 parameter was updated in fp32 (``p.float()``) and rounded back: torch's optimizer on fp64 moved it
     by updates that fp32 rounded away. Now its update and states are fp64, torch's update exactly. A complex
-    parameter's imaginary part was dropped (``p.float()``): refused in one line at construction."""
+    parameter's imaginary part was dropped (``p.float()``): refused in one line at construction, and when
+    ``add_param_group`` hands it over later (a layer unfrozen mid-run), which took it and updated it with real
+    arithmetic; the optimizer is left as it was."""
     torch.manual_seed(0)
     p = nn.Parameter(torch.full((4, 3), 1.0, dtype=torch.float64))
     q = nn.Parameter(p.detach().clone())
@@ -362,6 +364,9 @@ def test_fp32_state_optimizers_keep_an_fp64_parameter_in_fp64_and_refuse_a_compl
     with pytest.raises(ValueError, match="parameter 1 of group 0 is complex64") as e:
         make([nn.Parameter(torch.ones(2)), z])
     assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="parameter 0 of group 1 is complex64"):
+        ours.add_param_group({"params": (t for t in [z])})
+    assert len(ours.param_groups) == 1 and z not in ours.state
 
 
 def test_pure_bf16_loses_tiny_updates() -> None:
