@@ -99,6 +99,10 @@ def test_a_new_optimizer_the_profiler_was_not_given_is_said_once() -> None:
     cut = advisor.recommend(dict(prof.tables()), summary={T.SUMMARY_CAPTURE: capture}).findings
     f = next(f for f in cut if f.code == "steps_without_update")
     assert f.numbers["steps_other_optimizer"] == 2 and "micro-batch" not in f.message
+    # the lost updates count the steps the capture counted, not those it listed ("on at least 2 sampled steps")
+    lost = next(f for f in cut if f.code == "bf16_lost_updates")
+    assert "on 3 sampled steps (3, 4 and 1 more) an optimizer it was not given (AdamW)" in lost.message
+    assert lost.numbers["steps_other_optimizer"] == 3
     assert f.message.endswith(
         "Past sampled step 4 the capture lists no more steps: 1 sampled step after it without an update is not judged."
     )

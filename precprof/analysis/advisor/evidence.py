@@ -785,19 +785,19 @@ def _without_update(run: _Run) -> tuple[list[int], list[int]]:
     return [s for s in told if s not in updated], told
 
 
-def _unfollowed_steps(run: _Run) -> tuple[list[int], list[str], bool]:
+def _unfollowed_steps(run: _Run) -> tuple[list[int], list[str], int]:
     """The sampled steps in which an optimizer the Profiler was not given stepped the model's parameters (the
     capture's ``loop_order``, ``T.LOOP_NOT_FOLLOWED``: a new optimizer made mid-run without
-    ``prof.use_optimizer``), its classes, and whether the steps listed are the first ``AT_MAX`` of more (a run
-    recorded before the capture said so, or without one: none)."""
+    ``prof.use_optimizer``), listed (the first ``AT_MAX``), its classes, and how many there were: the entry's
+    ``steps``, more than those listed past ``AT_MAX`` (a run recorded without it: those listed)."""
     order = (run.summary.get(T.SUMMARY_CAPTURE) or {}).get("loop_order") or {}
     entry = order.get(T.LOOP_NOT_FOLLOWED) if isinstance(order, Mapping) else None
     if not isinstance(entry, Mapping):
-        return [], [], False
+        return [], [], 0
     at = sorted(int(s) for s in entry.get("at") or [] if isinstance(s, int))
     classes = [str(c) for c in entry.get("optimizers") or []]
     steps = entry.get("steps")
-    return at, classes, isinstance(steps, int) and steps > len(at)
+    return at, classes, max(steps, len(at)) if isinstance(steps, int) else len(at)
 
 
 def _matmul_leaves(run: _Run) -> list[str]:

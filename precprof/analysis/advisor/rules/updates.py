@@ -308,14 +308,17 @@ def _unfollowed_words(run: _Run) -> tuple[str, dict[str, int]]:
     """Where an optimizer the Profiler was not given stepped the model's parameters on some sampled steps (a new
     optimizer made mid-run without ``prof.use_optimizer``): the words that the updates counted are those of the
     other sampled steps, and their number; ("", {}) where none did."""
-    at, classes, cut = _unfollowed_steps(run)
+    at, classes, count = _unfollowed_steps(run)
     if not at:
         return "", {}
+    # the steps listed are the first ``AT_MAX`` of ``count``: the count is exact, the list says how many more
+    more = count - min(len(at), 6)
+    listed = ", ".join(str(s) for s in at[:6]) + (f" and {more} more" if more else "")
     return (
-        f" The updates counted are those of the optimizer the Profiler was given: on {'at least ' if cut else ''}"
-        f"{len(at)} sampled steps ({_listed([str(s) for s in at], 6)}) an optimizer it was not given "
-        f"({', '.join(classes) or 'another'}) stepped the model's parameters, and its updates were not read.",
-        {"steps_other_optimizer": len(at)},
+        f" The updates counted are those of the optimizer the Profiler was given: on {count} sampled steps "
+        f"({listed}) an optimizer it was not given ({', '.join(classes) or 'another'}) stepped the model's "
+        "parameters, and its updates were not read.",
+        {"steps_other_optimizer": count},
     )
 
 
@@ -652,7 +655,8 @@ def _rule_steps_without_update(run: _Run, plan: _Plan) -> None:
     is the same mistake). A step the loss scaler skipped (no optimizer step by design) and a step a crash cut off
     are left out."""
     idle, told = _steps_without_update(run)
-    at, classes, cut = _unfollowed_steps(run)
+    at, classes, count = _unfollowed_steps(run)
+    cut = count > len(at)
     listed = set(at)
     other = [s for s in idle if s in listed]
     # past the steps the capture listed (the first AT_MAX), a step's cause is not known: neither is said of it
