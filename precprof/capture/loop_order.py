@@ -62,9 +62,8 @@ class LoopOrder:
         self._followed: set[int] = set()  # the ids of the optimizers the Profiler follows
         self._followed_names: str | None = None
         self._params: Mapping[int, Any] = {}  # the ids of the model's trained parameters
-        self.trained = (
-            TrainedSeen()
-        )  # which parameters trained on the sampled steps (a layer unfrozen mid-run)
+        # which parameters trained on the sampled steps (a layer unfrozen mid-run)
+        self.trained = TrainedSeen()
         self.begin()
 
     def begin(self) -> None:
