@@ -83,7 +83,7 @@ def test_a_tied_head_and_a_frozen_layer_say_so_in_their_rows() -> None:
 def test_a_layer_unfrozen_and_frozen_again_is_not_called_frozen() -> None:
     """Gradual unfreezing: ``mid`` frozen on steps 0-1, trained on 2-3, frozen again on 4-5, and the whole model
     frozen after the loop (before an export). It was called "frozen" (beside its gradient and update rows on 2-3),
-    and every layer with it: the summary now says when each trained, the row "trained on steps 2-3", and the
+    and every layer with it: the summary now says when each trained, the row "had gradients on sampled steps 2-3", and the
     model's trainable counts are per run of sampled steps, the memory textbook's of the step measured (the end's
     alone were said: 0 of them train)."""
     torch.manual_seed(0)
@@ -121,9 +121,11 @@ def test_a_layer_unfrozen_and_frozen_again_is_not_called_frozen() -> None:
         for r in S.layer_records(layers, T.shared_params(summary), T.frozen_params(summary), changed=changed)
     }
     label, tip = rows["1"]["trainable_changed"]
-    assert (rows["1"]["frozen"], label) == ([], "weight, bias trained on steps 2\u20133"), rows["1"]
+    assert (rows["1"]["frozen"], label) == ([], "weight, bias had gradients on sampled steps 2\u20133"), rows[
+        "1"
+    ]
     assert "False on sampled steps 0\u20131, True on 2\u20133, False on 4\u20135; False at the end" in tip
-    assert rows["3"]["trainable_changed"][0] == "weight, bias trained on steps 0\u20135"
+    assert rows["3"]["trainable_changed"][0] == "weight, bias had gradients on sampled steps 0\u20135"
     assert rows["2"]["frozen"] == ["weight", "bias"] and rows["2"]["trainable_changed"] is None
     # the memory textbook's gradients are of those that trained on the step measured (the last), not at the end
     memory = memory_projection.project(prof.tables()["memory"], summary, facts=prof._tracker.model_facts())
@@ -133,7 +135,7 @@ def test_a_layer_unfrozen_and_frozen_again_is_not_called_frozen() -> None:
     assert f"the gradients' N is the {n_rest:,} of {n_all:,} parameters that train on step 5, " in textbook
     assert environment.trainable(saved, 5) == (n_rest, n_all) and environment.trainable(saved) == (0, n_all)
     assert environment.trainable_changes_said(summary) == (
-        f"requires_grad changed during the run: {n_rest} parameters trained on sampled steps 0\u20131, "
+        f"requires_grad changed during the run: {n_rest} parameters trainable on sampled steps 0\u20131, "
         f"{n_rest + n_mid} on 2\u20133, {n_rest} on 4\u20135 (at most {n_rest + n_mid} at once)"
     )
 
@@ -170,7 +172,6 @@ def test_a_resumed_run_and_a_run_without_memory_say_what_trained(tmp_path: objec
     page = (out / T.REPORT_FILE).read_text()
     row = re.search(r'<tr><td data-v="\d+">\d+</td><td class="mod"><code>1</code>.*?</tr>', page, re.S)
     assert row is not None and "frozen" not in row.group(0)
-    # memory off, the middle layer trained on steps 1-2 only: the Model row's end count is the capture's
     # memory off; the middle layer trained on steps 1-2, the last frozen at the end, the embedding frozen on
     # every sampled step and set to train after them
     torch.manual_seed(0)

@@ -1630,21 +1630,23 @@ def test_a_resumed_run_goes_on_thinning_from_its_earlier_attempts(
     assert T.read_summary(out)["capture"]["sampling"]["thinned"]["after"] == 3
 
 
-def test_a_resumed_runs_sampling_row_says_it_is_the_last_attempts(tmp_path: Path) -> None:
+@pytest.mark.parametrize("every", [None, 1])
+def test_a_resumed_runs_sampling_row_says_it_is_the_last_attempts(tmp_path: Path, every: int | None) -> None:
     """A run resumed at step 800: the header said 107 sampled steps (the run's), the sampling row "14 of 2,200
-    steps" (the last attempt's) without saying whose. It says so."""
+    steps" (the last attempt's) without saying whose. It says so, under the budget and under ``sample_every``
+    alike ("every step: 4 of 4 steps" stood below a header of 16, tester t3)."""
     from precprof.report.environment import capture_rows
 
     out = tmp_path / "run"
-    killed = tiny_run(out, 5, sample_every=None)  # the default budget
+    killed = tiny_run(out, 5, sample_every=every)  # (None: the default budget)
     killed._owned_run.release()
     torch.manual_seed(1)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    with precprof.Profiler(model, opt, out=out, resume=True, first_step=3) as prof:
+    with precprof.Profiler(model, opt, sample_every=every, out=out, resume=True, first_step=3) as prof:
         for step in range(3, 9):
             train_step(model, opt, prof, step)
     prof.save()
     summary = T.read_summary(out)
     row = dict(capture_rows(summary[T.SUMMARY_CAPTURE], summary.get(T.SUMMARY_CONFIG) or {}))["steps sampled"]
-    assert re.search(r": \d+ of 6 steps of the attempt resumed at step 3 \(", row), row
+    assert re.search(r": \d+ of 6 steps of the attempt resumed at step 3( \(|$)", row), row

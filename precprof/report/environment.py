@@ -375,7 +375,7 @@ def _trained_said(counts: tuple[int, int], changed: bool = False) -> str:
 
 
 def trainable_changes_said(summary: Mapping[str, Any]) -> str:
-    """ "requires_grad changed during the run: 4,160 parameters trained on sampled steps 0-3, 5,216 on 4-11, 4,160
+    """ "requires_grad changed during the run: 4,160 parameters trainable on sampled steps 0-3, 5,216 on 4-11, 4,160
     on 12-15 (at most 5,216 at once)", the model's trainable elements per run of sampled steps (the first 4 and
     the last); "" where requires_grad did not change."""
     changes = T.trainable_changes(summary)
@@ -388,7 +388,7 @@ def trainable_changes_said(summary: Mapping[str, Any]) -> str:
 
     shown = runs if len(runs) <= 5 else [*runs[:4], runs[-1]]
     parts = [f"{F.count(r[2])} on {steps(r)}" for r in shown]
-    parts[0] = f"{F.count(shown[0][2])} parameters trained on sampled steps {steps(shown[0])}"
+    parts[0] = f"{F.count(shown[0][2])} parameters trainable on sampled steps {steps(shown[0])}"
     if len(runs) > len(shown):
         parts[-1] = f"... {parts[-1]}"
     most = max(r[2] for r in runs)
@@ -585,8 +585,8 @@ def capture_rows(
     every = _int(capture.get("sample_every", cfg.get("sample_every")))
     sampled, recorded = _int(capture.get("sampled_steps")), _int(capture.get("steps_recorded"))
     sampling = _map(capture.get("sampling"))
+    resumed = _int(_map(capture.get("stream")).get("resumed_from"))
     if sampling.get("mode") == "budget":
-        resumed = _int(_map(capture.get("stream")).get("resumed_from"))
         rows.append(("steps sampled", sampling_text(sampling, sampled, recorded, resumed, tp)))
     elif every is not None:
         if every <= 0:
@@ -596,6 +596,8 @@ def capture_rows(
             text = _ordinal_every(every) + (f" from step {origin}" if origin else "")
             if sampled is not None and recorded is not None:
                 text += f": {F.count(sampled)} of {F.count(recorded)} steps"
+                # (a resumed run's counts are its last attempt's: "4 of 4" stood below a header of 16, tester t3)
+                text += f" of the attempt resumed at step {F.count(resumed)}" if resumed is not None else ""
         rows.append(("steps sampled", text))
     if capture.get("modules_captured") is not None:
         rows.append(("modules captured", F.count(capture["modules_captured"])))

@@ -490,16 +490,18 @@ def _step_runs(runs: Sequence[Sequence[Any]]) -> str:
 def trainable_said(changed: Mapping[str, Any]) -> tuple[str, str] | None:
     """(label, tooltip) of a module's parameters whose requires_grad changed during the run (``changed``: param
     -> {"runs": [[first, last, requires_grad, had_gradient], ...], "end"}, ``T.trainable_changed``): "weight, bias
-    trained on steps 4-11", the steps with a gradient; the tooltip says requires_grad over the sampled steps and
-    at the end. None when ``changed`` is empty."""
+    had gradients on sampled steps 4-11" (a gradient is no update: a layer unfrozen after the HF Trainer built its
+    optimizer from the trainable parameters gets gradients and is never updated, and "trained on steps 4-15" was
+    said of it; and of sampled steps, which a sparse sampling makes 6-9 of a layer trainable on 4-11, tester
+    t3); the tooltip says requires_grad over the sampled steps and at the end. None when ``changed`` is empty."""
     said: dict[tuple[str, str], list[str]] = {}
     for pname, v in changed.items():
         runs = [r for r in v.get("runs") or [] if isinstance(r, Sequence) and len(r) >= 4]
         trained, wanted = [r for r in runs if r[3]], [r for r in runs if r[2]]
         if trained:
-            label = f"trained on steps {_step_runs(trained)}"
+            label = f"had gradients on sampled steps {_step_runs(trained)}"
         elif wanted:
-            label = f"requires_grad on steps {_step_runs(wanted)}, no gradient"
+            label = f"requires_grad on sampled steps {_step_runs(wanted)}, no gradient"
         else:  # (requires_grad set after the last sampled step)
             label = "frozen on every sampled step" + (", requires_grad at the end" if v.get("end") else "")
         states = ", ".join(
