@@ -223,3 +223,34 @@ def test_the_memory_textbooks_count_is_said_of_the_step_it_is_of() -> None:
             assert text.startswith("150 of 200 parameters train on step 12, the step measured (75%)"), text
         else:
             assert text.startswith(said), text
+
+
+def test_a_layer_unfrozen_outside_the_optimizer_is_said_to_get_no_update() -> None:
+    """Tester t3: the Hugging Face Trainer builds its optimizer from the parameters trainable at the start; a
+    layer unfrozen later gets gradients and is never updated, and precprof said it had trained. A finding names
+    it; none where the optimizer holds it (built over all parameters, or given the layer when unfrozen)."""
+
+    def run(how: str) -> precprof.Recommendation:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 4), nn.Linear(4, 8))
+        model[1].requires_grad_(False)
+        trainable = model.parameters() if how == "all" else [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.SGD(trainable, lr=0.1)
+        with precprof.Profiler(model, optimizer=opt, sample_every=1, memory=False) as prof:
+            for step in range(4):
+                if step == 2:
+                    model[1].requires_grad_(True)
+                    if how == "added":
+                        opt.add_param_group({"params": list(model[1].parameters())})
+                model(torch.randint(0, 8, (2, 3))).square().mean().backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                prof.step()
+        return precprof.recommend(prof)
+
+    f = run("left out").finding("gradients_not_applied")
+    assert f is not None and f.modules == ["1"], f
+    assert (f.numbers["parameters"], f.numbers["steps"]) == (2, 2)
+    assert "add_param_group" in f.remedy
+    assert run("all").finding("gradients_not_applied") is None
+    assert run("added").finding("gradients_not_applied") is None

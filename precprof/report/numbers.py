@@ -103,6 +103,8 @@ LABELS: dict[Any, tuple[str, str] | None] = {
     "values": ("values", "count"),
     "steps": ("sampled steps", "count"),
     ("bf16_loss", "steps"): ("steps whose loss tensor was BF16", "count"),
+    ("gradients_not_applied", "parameters"): ("parameters with a gradient and no update", "count"),
+    ("gradients_not_applied", "steps"): ("sampled steps the optimizer stepped without them", "count"),
     ("fp16_loss", "steps"): ("steps whose loss tensor was FP16", "count"),
     "steps_with_loss_tensor": ("steps that handed precprof a loss tensor", "count"),
     "final_loss": ("final loss", "number"),

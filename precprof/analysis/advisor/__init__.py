@@ -60,6 +60,7 @@ from precprof.analysis.advisor.rules.unused import _rule_unused_modules
 from precprof.analysis.advisor.rules.updates import (
     _rule_bf16_range,
     _rule_fp32_lost_updates,
+    _rule_gradients_not_applied,
     _rule_lost_updates,
     _rule_steps_without_update,
 )
@@ -189,6 +190,7 @@ def recommend(
     _rule_lost_updates(run, plan)
     _rule_fp32_lost_updates(run, plan)
     _rule_steps_without_update(run, plan)
+    _rule_gradients_not_applied(run, plan)
     _rule_no_gradient(run, plan, dims)
     _rule_unused_modules(run, plan)
     _rule_dropped_biases(run, plan)

@@ -16,6 +16,7 @@ from precprof.analysis.advisor.evidence import (
     _shifted_underflow,
     _steps_without_update,
     _unfollowed_steps,
+    _updated_steps,
 )
 from precprof.analysis.advisor.model import CRITICAL, INFO, WARNING, Finding, Number
 from precprof.analysis.advisor.text import _listed, _listing, _name, _pct
@@ -720,5 +721,63 @@ def _rule_steps_without_update(run: _Run, plan: _Plan) -> None:
             "Call prof.use_optimizer(new_opt) once the new optimizer is made, before its first step()."
             + (f" {accumulation_fix}" if accumulation else ""),
             numbers={**numbers, "steps_other_optimizer": len(other)},
+        )
+    )
+
+
+def _rule_gradients_not_applied(run: _Run, plan: _Plan) -> None:
+    """Parameters unfrozen during the run (``capture.modules[].trainable_changed``) with a gradient on sampled steps
+    the optimizer the Profiler follows stepped, whose update no sampled step read (no ``weight_update`` row of
+    theirs in the run, the update sample not having skipped them): no optimizer it follows holds them, and they
+    never move. A layer unfrozen after the optimizer was built from
+    the trainable parameters (the HF Trainer's ``create_optimizer``, ``filter(lambda p: p.requires_grad, ...)``)
+    gets gradients and no update: it was said to have trained (tester t3). Left to ``steps_without_update`` where
+    an optimizer the Profiler was not given stepped the model's parameters (they may be its)."""
+    layers = run.layers
+    updated = _updated_steps(run)
+    if layers.empty or not updated or _unfollowed_steps(run)[0]:
+        return
+    capture = run.summary.get(T.SUMMARY_CAPTURE) or {}
+    since = (capture.get("updates_from") or {}).get("step")
+    skipped = {
+        (str(s.get("module")), str(s.get("param")))
+        for s in capture.get("skipped_tensors") or []
+        if isinstance(s, dict) and s.get("tensor") == T.WEIGHT_UPDATE
+    }
+    upd = layers[layers[T.TENSOR] == T.WEIGHT_UPDATE]
+    held = set(zip(T.texts(upd[T.MODULE]), T.texts(upd[T.PARAM]), strict=True)) | skipped
+    grads = layers[
+        (layers[T.TENSOR] == T.WEIGHT_GRAD) & (pd.to_numeric(layers[T.CALLS], errors="coerce") > 0)
+    ]
+    steps = grads[T.STEP].astype(int)
+    grads = grads[steps.isin(updated) & (steps >= since if isinstance(since, int) else True)]
+    # (of the parameters whose requires_grad changed during the run, as the capture saw it: the unfrozen ones)
+    changed = {(m, str(p)) for m, ps in T.trainable_changed(run.summary).items() for p in ps}
+    keys = list(zip(T.texts(grads[T.MODULE]), T.texts(grads[T.PARAM]), strict=True))
+    loose = grads[[k in changed and k not in held for k in keys]]
+    if loose.empty:
+        return
+    modules = run.sort(dict.fromkeys(T.texts(loose[T.MODULE])))
+    params = sorted(
+        {(str(m), str(p)) for m, p in zip(T.texts(loose[T.MODULE]), T.texts(loose[T.PARAM]), strict=True)}
+    )
+    at = sorted(set(loose[T.STEP].astype(int)))
+    lim = run.cfg.max_listed_modules
+    plan.add(
+        Finding(
+            "gradients_not_applied",
+            WARNING,
+            f"{len(params)} parameter(s) got gradients and no update: no optimizer the Profiler follows holds them",
+            f"On {len(at)} sampled step(s) the optimizer stepped ({_listed([str(s) for s in at], 6)}), the "
+            f"parameters of {_listing(modules, lim)} had a gradient, and no sampled step updated them: the "
+            "optimizer the Profiler was given does not hold them, so they do not learn whatever their gradient. "
+            "A layer unfrozen after the optimizer was built from the trainable parameters does this (the Hugging "
+            "Face Trainer's create_optimizer keeps those with requires_grad at the start; so does "
+            "filter(lambda p: p.requires_grad, model.parameters())).",
+            "Add the parameters to the optimizer when you unfreeze them (optimizer.add_param_group({'params': "
+            "[...]})), or build the optimizer over all parameters (frozen ones get no gradient and no update); if "
+            "another optimizer steps them, give it to the Profiler too (prof.use_optimizer).",
+            modules=modules,
+            numbers={"parameters": len(params), "steps": len(at)},
         )
     )
