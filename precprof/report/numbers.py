@@ -103,6 +103,7 @@ LABELS: dict[Any, tuple[str, str] | None] = {
     "values": ("values", "count"),
     "steps": ("sampled steps", "count"),
     ("bf16_loss", "steps"): ("steps whose loss tensor was BF16", "count"),
+    "parameters": ("parameters", "count"),
     ("gradients_not_applied", "parameters"): ("parameters with a gradient and no update", "count"),
     ("gradients_not_applied", "steps"): ("sampled steps the optimizer stepped without them", "count"),
     ("fp16_loss", "steps"): ("steps whose loss tensor was FP16", "count"),
