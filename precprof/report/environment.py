@@ -383,12 +383,9 @@ def trainable_changes_said(summary: Mapping[str, Any]) -> str:
     if not runs:
         return ""
 
-    def steps(r: list[Any]) -> str:
-        return f"{r[0]}\u2013{r[1]}" if r[1] != r[0] else f"{r[0]}"
-
     shown = runs if len(runs) <= 5 else [*runs[:4], runs[-1]]
-    parts = [f"{F.count(r[2])} on {steps(r)}" for r in shown]
-    parts[0] = f"{F.count(shown[0][2])} parameters trainable on sampled steps {steps(shown[0])}"
+    parts = [f"{F.count(r[2])} on {F.step_runs([r])}" for r in shown]
+    parts[0] = f"{F.count(shown[0][2])} parameters trainable on sampled steps {F.step_runs([shown[0]])}"
     if len(runs) > len(shown):
         parts[-1] = f"... {parts[-1]}"
     most = max(r[2] for r in runs)

@@ -261,6 +261,11 @@ def share_class(v: Any) -> str:
 FILTERS["share_class"] = share_class
 
 
+def step_runs(runs: Sequence[Sequence[Any]]) -> str:
+    """ "0-3, 12-15" (with en dashes; "7" for a run of one step) of runs ``[first, last, ...]`` of steps."""
+    return ", ".join(f"{r[0]}\u2013{r[1]}" if r[1] != r[0] else f"{r[0]}" for r in runs)
+
+
 def ordinal(v: Any) -> str:
     """2nd, 3rd, 11th, 22nd."""
     n = int(v)

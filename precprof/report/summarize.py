@@ -18,6 +18,7 @@ import pandas as pd
 from precprof import formats, taxonomy
 from precprof import tables as T
 from precprof.analysis import lost_updates, update_ratio
+from precprof.report.filters import step_runs
 
 # tensor kinds with histograms, in the order the report shows them
 HIST_KINDS: tuple[str, ...] = (T.ACTIVATION, T.ACTIVATION_GRAD, T.WEIGHT, T.WEIGHT_GRAD)
@@ -482,11 +483,6 @@ def layer_records(
     ]
 
 
-def _step_runs(runs: Sequence[Sequence[Any]]) -> str:
-    """ "0-3, 12-15" (with en dashes) of runs ``[first, last, ...]`` of sampled steps."""
-    return ", ".join(f"{r[0]}\u2013{r[1]}" if r[1] != r[0] else f"{r[0]}" for r in runs)
-
-
 def trainable_said(changed: Mapping[str, Any]) -> tuple[str, str] | None:
     """(label, tooltip) of a module's parameters whose requires_grad changed during the run (``changed``: param
     -> {"runs": [[first, last, requires_grad, had_gradient], ...], "end"}, ``T.trainable_changed``): "weight, bias
@@ -499,13 +495,13 @@ def trainable_said(changed: Mapping[str, Any]) -> tuple[str, str] | None:
         runs = [r for r in v.get("runs") or [] if isinstance(r, Sequence) and len(r) >= 4]
         trained, wanted = [r for r in runs if r[3]], [r for r in runs if r[2]]
         if trained:
-            label = f"had gradients on sampled steps {_step_runs(trained)}"
+            label = f"had gradients on sampled steps {step_runs(trained)}"
         elif wanted:
-            label = f"requires_grad on sampled steps {_step_runs(wanted)}, no gradient"
+            label = f"requires_grad on sampled steps {step_runs(wanted)}, no gradient"
         else:  # (requires_grad set after the last sampled step)
             label = "frozen on every sampled step" + (", requires_grad at the end" if v.get("end") else "")
         states = ", ".join(
-            f"{bool(r[2])} on {'sampled steps ' if k == 0 else ''}{_step_runs([r])}"
+            f"{bool(r[2])} on {'sampled steps ' if k == 0 else ''}{step_runs([r])}"
             for k, r in enumerate(runs)
         )
         tip = f"requires_grad changed during the run: {states}; {bool(v.get('end'))} at the end"
