@@ -19,3 +19,15 @@ def change_pct(x: float, *, signed: bool = True) -> str:
     if a >= 0.01 or not math.isfinite(a):
         return f"{sign}{a:.2f}%"
     return f"{sign}{a:.{-math.floor(math.log10(a))}f}%"
+
+
+def share_3g(p: float) -> str:
+    """A percentage ``p`` of a share to 3 significant digits ("43.3"), without its "%"; never "100" for a share
+    short of all values (99.973 is "99.97", 99.99999999 ">99.9999"): a reader takes 100% for every value."""
+    said = f"{p:.3g}"
+    if p < 100 <= float(said):
+        for places in range(2, 7):
+            if (said := f"{p:.{places}f}") != f"{100:.{places}f}":
+                return said
+        return ">99.9999"
+    return said

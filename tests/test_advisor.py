@@ -2663,8 +2663,20 @@ def test_experts_flops_are_read_from_their_activation_not_their_router(act_modul
 
 
 def test_shares_are_written_without_exponents() -> None:
-    """A finding's shares read as a user compares them: 0.000053%, not 5.3e-05% beside a table's <0.0001%."""
+    """A finding's shares read as a user compares them: 0.000053%, not 5.3e-05% beside a table's <0.0001%; and
+    a share short of all values never as "100%" (1,968,107 of 1,968,640 gradient values "100% ... flush", tester
+    t2)."""
     from precprof.analysis.advisor.text import _pct
+    from precprof.report.filters import pct
+
+    assert [_pct(x) for x in (0.99973, 0.9995, 0.99999999, 1 - 1e-12, 1.0)] == [
+        "99.97%",
+        "99.95%",
+        "99.999999%",
+        ">99.9999%",
+        "100%",
+    ]
+    assert [pct(x) for x in (0.99973, 0.43333, 1.0)] == ["99.97%", "43.3%", "100%"]  # the page's tables too
 
     assert [_pct(x) for x in (5.3e-7, 1.7e-7, 9.99e-7, 8e-9, 0.0, 0.000123, 0.0123, 0.5, None)] == [
         "0.000053%",

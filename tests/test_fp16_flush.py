@@ -529,3 +529,6 @@ def test_structural_zeros_and_a_loss_that_moves_little_are_no_stall(steps: int) 
     assert f is not None and f.severity != "critical" and "training stalled" not in f.message
     why = "too few to call it stalled" if steps < 10 else "steadily against its step-to-step noise"
     assert why in f.message
+    assert (
+        "the loss fell by" in f.message
+    )  # its direction said: "changed by 28%" of a loss that rose (tester t2)

@@ -14,7 +14,7 @@ from typing import Any
 
 from markupsafe import Markup, escape
 
-from precprof.percent import change_pct
+from precprof.percent import change_pct, share_3g
 from precprof.tables import INPUT_SUFFIX, module_label
 
 MISSING = "—"
@@ -69,7 +69,7 @@ def pct(v: Any) -> str:
     p = 100 * f
     if abs(p) < 1e-4:
         return "<0.0001%"
-    return f"{p:.3g}%"
+    return f"{share_3g(p)}%"
 
 
 def signed_pct(v: Any) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from precprof import tables as T
+from precprof.percent import share_3g
 
 
 def _pct(share: float | None) -> str:
@@ -15,7 +16,9 @@ def _pct(share: float | None) -> str:
     p = share * 100
     if abs(p) < 1e-4:  # positional, as a reader compares shares (0.000053%, never 5.3e-05%), down to a bound
         return "<0.000001%" if abs(p) < 1e-6 else f"{_positional(p, 2)}%"
-    return f"{p:.2g}%" if p < 0.01 else f"{p:.3g}%"
+    if p < 0.01:
+        return f"{p:.2g}%"
+    return f"{share_3g(p)}%"
 
 
 def _positional(x: float, digits: int) -> str:

@@ -1391,8 +1391,8 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan, kept: KeptGradients) -> None:
                     f"; the loss did not move (it changed by {_pct(abs(loss_change))} over the run): training "
                     "stalled"
                     if stalled
-                    else f"; the loss changed by {_pct(abs(loss_change))} over the run"
-                    + _why_not_stalled(run, loss_change)
+                    else f"; the loss {'rose' if loss_change > 0 else 'fell'} by {_pct(abs(loss_change))} over "
+                    "the run" + _why_not_stalled(run, loss_change)
                 )
                 if loss_change is not None
                 else ""
