@@ -5,6 +5,7 @@ equals an uninterrupted one; the recording's host memory stays bounded."""
 from __future__ import annotations
 
 import errno
+import html as html_text
 import json
 import math
 import os
@@ -33,6 +34,7 @@ from precprof import cli, parts, pipeline, rundir, runfiles
 from precprof import tables as T
 from precprof.capture import stream, writer_process
 from precprof.errors import UserError
+from precprof.report import filters as F
 
 WORKER = Path(__file__).with_name("stream_worker.py")
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
@@ -351,6 +353,11 @@ def test_precprof_report_on_a_killed_run(
     html = (out / T.REPORT_FILE).read_text()
     assert "The run was cut off after step" in html
     assert "the process ended before it could save" in html  # the first summary's cause
+    # its sampling, counted from its steps table (the summary that counts it was never written: no counts)
+    n = F.count(len(T.read_run(out).tables["steps"]))
+    assert (
+        f"every step: {n} of {n} steps (counted from the steps table: the run ended before it saved" in html
+    )
     # the first summary names the machine the run recorded on, so that the advice is for that machine and
     # never for the one that reads the run (the reader's hardware is not even looked at)
     summary = T.read_summary(out)
@@ -464,12 +471,14 @@ def test_a_killed_runs_fp8_eligibility_is_not_judged(tmp_path: Path) -> None:
 
 def test_a_killed_runs_report_names_the_model_it_trained(tmp_path: Path) -> None:
     """A run killed before it saved read "Precision report · model · run": the model's class was only in the
-    summary written at the end. The first summary names it, and its layers the precision they ran in."""
+    summary written at the end. The first summary names it, and its layers the precision they ran in. A budgeted
+    run's "steps sampled" row was missing: the summary that says the budget and why each step was sampled was
+    never written. The first summary has the budget, the steps table each step's reason."""
     out = tmp_path / "killed"
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    with precprof.Profiler(model, opt, sample_every=1, out=out) as prof:
-        for _ in range(2):
+    with precprof.Profiler(model, opt, overhead_budget=0.05, out=out) as prof:
+        for _ in range(3):
             model(torch.randn(4, 8)).square().mean().backward()
             opt.step()
             opt.zero_grad()
@@ -478,6 +487,13 @@ def test_a_killed_runs_report_names_the_model_it_trained(tmp_path: Path) -> None
     html = pipeline.rerender(out).read_text()
     # and the precision its layers ran in, which it never said (read from their dtypes: float32)
     assert "<h1>Precision report · Sequential · fp32</h1>" in html, re.findall(r"<h1>.*?</h1>", html)
+    steps = T.read_run(out).tables["steps"]
+    reasons = T.texts(steps[T.SAMPLE_REASON])
+    n, first = int(T.flags(steps[T.SAMPLED]).sum()), int((reasons == "first").sum())
+    assert n >= 2 and first >= 2, steps  # (the first steps of a budgeted run are sampled, whatever it)
+    said = f"within 5% of the run's time: {n} of 3 steps ({first} first"
+    text = html_text.unescape(html)
+    assert said in text and "what the sampled steps took of the run's time is not known" in text
 
 
 def test_precprof_report_on_a_run_still_being_written(

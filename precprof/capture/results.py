@@ -139,7 +139,7 @@ class ProfilerResults:
         if isinstance(self._out, rundir.RunDir):
             run = self._out
         else:
-            capture: dict[str, Any] = {"sample_every": self.sample_every, "sample_origin": self._first_step}
+            capture: dict[str, Any] = self._sampler.first_entries()  # a killed run's sampling, its budget
             capture["model_class"] = model_class_name(_compat.unwrapped(self.model))  # a killed run's title
             first: dict[str, Any] = {T.SUMMARY_CAPTURE: capture}
             # a killed distributed run still says it was one (its counts are sums over ranks)

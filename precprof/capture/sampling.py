@@ -445,6 +445,18 @@ class Sampler:
             return None
         return sampled + (self.own_share or 0.0)
 
+    def settings(self) -> dict[str, Any]:
+        """The ``sampling`` entry of a run directory's first summary, written when it is claimed: how steps are
+        sampled (``mode``, ``every``, a budgeted run's ``budget``), for the report of a run killed before it saved
+        (``describe``'s counts are then the steps table's, ``report.context.sampling_from_steps``)."""
+        mode = "budget" if self.budgeted else ("every" if self.every else "off")
+        return {"mode": mode, "every": self.every, **({"budget": self.budget} if self.budgeted else {})}
+
+    def first_entries(self) -> dict[str, Any]:
+        """The capture entries of a run directory's first summary that say how its steps are sampled:
+        ``sample_every``, ``sample_origin`` and ``sampling`` (``settings``)."""
+        return {"sample_every": self.every, "sample_origin": self.origin, "sampling": self.settings()}
+
     def describe(self, cut_off_reason: str = "") -> dict[str, Any]:
         """The ``sampling`` entry of the capture summary. ``cut_off_reason``: the sample reason of the step a
         detach cut off ("" when none was sampled): it ended unobserved, and its rows are among the sampled steps,
@@ -453,13 +465,11 @@ class Sampler:
         if cut_off_reason:
             reasons[cut_off_reason] = reasons.get(cut_off_reason, 0) + 1
         out: dict[str, Any] = {
-            "mode": "budget" if self.budgeted else ("every" if self.every else "off"),
-            "every": self.every,
+            **self.settings(),
             "reasons": reasons,
             **({"cut_off": cut_off_reason} if cut_off_reason else {}),
         }
         if self.budgeted:
-            out["budget"] = self.budget
             out["synchronized"] = self.synchronized
             # past DENSE_SAMPLES budgeted samples, the fewest steps between two (the run's data bounded)
             out["thinned"] = (

@@ -759,6 +759,41 @@ def _reduced_steps_counted(summary: Mapping[str, Any], steps: pd.DataFrame) -> M
     return {**summary, T.SUMMARY_CAPTURE: capture}
 
 
+def sampling_from_steps(summary: Mapping[str, Any], steps: pd.DataFrame) -> Mapping[str, Any]:
+    """The summary with its sampling counted from the steps table where the summary is the first one, written at
+    attach (a run killed before it saved: its "steps sampled" row had no counts, and a budgeted run's no row at
+    all): the sampled steps, the steps recorded, the sampled steps per reason (each row says why its step was
+    sampled) and the first sampled step, every attempt's. The budget is the first summary's (unknown in a run
+    of a precprof that wrote none there); what the sampled steps took, and the steps held unsampled, were
+    the sampler's to say at the end: ``from_steps`` tells the page so."""
+    capture = summary.get(T.SUMMARY_CAPTURE)
+    if (
+        not isinstance(capture, Mapping)
+        or "sampled_steps" in capture
+        or T.SAMPLED not in steps
+        or steps.empty
+    ):
+        return summary
+    sampled = T.flags(steps[T.SAMPLED]).to_numpy()
+    every = capture.get("sample_every")
+    known = capture.get("sampling")
+    sampling: dict[str, Any] = {
+        "mode": "budget" if every is None else ("every" if every else "off"),
+        "every": every,
+        **(known if isinstance(known, Mapping) else {}),
+        "from_steps": True,
+    }
+    if T.SAMPLE_REASON in steps:
+        reasons = T.texts(steps[T.SAMPLE_REASON])[sampled].astype(str)
+        sampling["reasons"] = {
+            str(r): int(n) for r, n in reasons[reasons != ""].value_counts(sort=False).items()
+        }
+    if sampled.any():
+        sampling["first_sampled_step"] = int(pd.to_numeric(steps[T.STEP], errors="coerce")[sampled].min())
+    counts = {"sampled_steps": int(sampled.sum()), "steps_recorded": len(steps), "sampling": sampling}
+    return {**summary, T.SUMMARY_CAPTURE: {**capture, **counts}}
+
+
 def _stopped(steps: pd.DataFrame, cfg: Mapping[str, Any]) -> str:
     """Where an incomplete run stopped, for its banner: "after step 670 (671 steps of the 3,000 planned; step
     671 was cut off)"; the planned count where the run's configuration has one (the built-in loop's); "" without
@@ -1021,7 +1056,8 @@ def build_context(
         "memory": memory,
         "verification": S.precision_check(layers, tabs["memory"], summary),
         "environment": environment.environment(
-            _reduced_steps_counted(summary, steps), throughput(steps, compiled_steps(summary))
+            sampling_from_steps(_reduced_steps_counted(summary, steps), steps),
+            throughput(steps, compiled_steps(summary)),
         ),
     }
 

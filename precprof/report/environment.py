@@ -595,6 +595,7 @@ def capture_rows(
                 text += f": {F.count(sampled)} of {F.count(recorded)} steps"
                 # (a resumed run's counts are its last attempt's: "4 of 4" stood below a header of 16, tester t3)
                 text += f" of the attempt resumed at step {F.count(resumed)}" if resumed is not None else ""
+            text += f" ({_FROM_STEPS})" if sampling.get("from_steps") else ""
         rows.append(("steps sampled", text))
     if capture.get("modules_captured") is not None:
         rows.append(("modules captured", F.count(capture["modules_captured"])))
@@ -848,6 +849,10 @@ def _overhead_reached(s: Mapping[str, Any], tp: Mapping[str, Any] | None) -> str
     return f" (it took {bound}{F.pct(float(overhead))})"
 
 
+# a run killed before it saved: its sampling counted from its steps table (``context.sampling_from_steps``)
+_FROM_STEPS = "counted from the steps table: the run ended before it saved its summary"
+
+
 def sampling_text(
     s: Mapping[str, Any],
     sampled: int | None,
@@ -858,8 +863,13 @@ def sampling_text(
     """Budgeted sampling (``capture.sampling.Sampler.describe``) in words: the budget, the overhead reached
     (withheld by the header's rule, ``tp`` being the run's throughput figures), the sampled steps by reason,
     and when sampling began if the kernels compiled beside the training. Of a run resumed at step ``resumed``,
-    the figures are the last attempt's, and say so (the header counts the run's)."""
-    text = f"as many as keep the time sampled steps add within {F.pct(float(s.get('budget') or 0))} of the run's time"
+    the figures are the last attempt's, and say so (the header counts the run's). Of a run killed before it
+    saved (``from_steps``), the counts are its steps table's, and the overhead reached is not known."""
+    budget = s.get("budget")
+    within = (
+        F.pct(float(budget)) if isinstance(budget, (int, float)) else "the overhead budget (not recorded)"
+    )
+    text = f"as many as keep the time sampled steps add within {within} of the run's time"
     text += _overhead_reached(s, tp)
     if sampled is not None and recorded is not None:
         text += f": {F.count(sampled)} of {F.count(recorded)} steps"
@@ -889,6 +899,8 @@ def sampling_text(
         )
     if s.get("synchronized"):
         text += "; every rank sampled the same steps"
+    if s.get("from_steps"):
+        text += f"; {_FROM_STEPS}, so what the sampled steps took of the run's time is not known"
     return text
 
 
