@@ -167,11 +167,23 @@ def test_a_resumed_run_and_a_run_without_memory_say_what_trained(tmp_path: objec
     _attempt(out, 0, 3, True, False)
     _attempt(out, 3, 6, False, True)
     summary, layers = T.read_summary(out), T.read_tables(out)["layers"]
-    assert T.frozen_params(summary) == {"1": ["weight", "bias"]}  # the last attempt's word
-    assert T.frozen_params(summary, layers) == {}  # its gradient rows of steps 0-2
+    # the summary's word is every attempt's (it was the last one's: frozen throughout, and no label said when the
+    # layer had gradients), read from the earlier attempt's rows
+    assert (
+        T.frozen_params(summary) == T.frozen_params(summary, layers) == {}
+    )  # its gradient rows of steps 0-2
+    runs = [[0, 2, True, True], [3, 5, False, False]]
+    assert T.trainable_changed(summary)["1"] == {p: {"runs": runs, "end": False} for p in ("weight", "bias")}
+    assert "0" not in T.trainable_changed(summary)  # (trained in both attempts: no change)
+    # an earlier attempt's step without a gradient: its requires_grad was not recorded, and is not guessed
+    _, tip = S.trainable_said(
+        {"weight": {"runs": [[0, 2, None, False], [3, 4, True, True]], "end": False}}
+    ) or ("", "")
+    assert "changed during the run: not recorded on sampled steps 0\u20132, True on 3\u20134; False at" in tip
     page = (out / T.REPORT_FILE).read_text()
     row = re.search(r'<tr><td data-v="\d+">\d+</td><td class="mod"><code>1</code>.*?</tr>', page, re.S)
     assert row is not None and "frozen" not in row.group(0)
+    assert "weight, bias had gradients on sampled steps 0\u20132" in html.unescape(row.group(0)), row.group(0)
     # memory off; the middle layer trained on steps 1-2, the last frozen at the end, the embedding frozen on
     # every sampled step and set to train after them
     torch.manual_seed(0)

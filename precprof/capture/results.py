@@ -17,6 +17,7 @@ from precprof import stats as st
 from precprof import tables as T
 from precprof._run_finisher import machine_describer, run_finisher, run_renderer
 from precprof._version import __version__
+from precprof.capture import resumed
 from precprof.capture.block_budget import BlockDeal
 from precprof.capture.collect import Collector
 from precprof.capture.model_facts import (
@@ -41,7 +42,7 @@ from precprof.capture.plan import CapturePlan
 from precprof.capture.recorded import Recorded
 from precprof.capture.records import module_entries
 from precprof.capture.reducer import wrapper_info
-from precprof.capture.sampling import REASON_BUDGET, Sampler
+from precprof.capture.sampling import Sampler
 from precprof.capture.scaler import ScalerWatch
 from precprof.capture.storage import sharded_states
 from precprof.capture.stream import StreamWriter
@@ -171,23 +172,11 @@ class ProfilerResults:
             self._go_on_from(run.path)
 
     def _go_on_from(self, path: Path) -> None:
-        """A run resumed at ``first_step`` goes on from the steps its earlier attempts recorded before it: the
-        dashboards from their skipped count (the killed job's points from the restart on are dropped), the
-        reducer from their sampled steps (``sampled_steps_reduced`` counts the run's, not this process's), the
-        budget's thinning from their budgeted samples (``Sampler.resumed``). Never at the cost of the attach."""
-        dashboards = getattr(self, "_dashboards", None)
+        """A run resumed at ``first_step`` goes on from the steps its earlier attempts recorded before it
+        (``capture.resumed``)."""
         reducer = self._reducer if hasattr(self._reducer, "earlier_samples") else None
-        with contextlib.suppress(Exception):
-            read = parts.read_stream(path, ("steps",), T.STEP)
-            table = parts.concat(read.tables.get("steps") or [])
-            kept = table.to_pandas() if table is not None else pd.DataFrame()
-            kept = kept[kept[T.STEP] < self._first_step] if not kept.empty else kept
-            if reducer is not None and T.SAMPLED in kept:
-                reducer.earlier_samples = int(T.flags(kept[T.SAMPLED]).sum())
-            if self._sampler.budgeted and T.SAMPLE_REASON in kept:  # (each attempt began its 200 dense ones)
-                self._sampler.resumed(kept.loc[T.texts(kept[T.SAMPLE_REASON]) == REASON_BUDGET, T.STEP])
-            if dashboards is not None:
-                dashboards.resumed(kept, self._first_step)
+        dashboards = getattr(self, "_dashboards", None)
+        resumed.go_on_from(path, self._first_step, self._sampler, reducer, dashboards, self._loop.trained)
 
     def _close_stream(self) -> None:
         sink = self._recorded.sink

@@ -9,7 +9,10 @@ At the end of every sampled step (``LoopOrder.judge``: the loop set ``requires_g
 ends) each captured parameter's ``requires_grad`` is read, with whether its gradient row was read in that step,
 and the model's trainable elements are counted: host attributes only, one pass over the parameters, nothing on a
 step that is not sampled. Kept as runs of consecutive sampled steps in one state (``[first, last, requires_grad,
-had_gradient]``), so a long run holds a few entries.
+had_gradient]``), so a long run holds a few entries. A resumed run begins with its earlier attempts' sampled steps,
+read from its layers table (``resumed``): whether each parameter had a gradient there, its ``requires_grad`` not
+known where it had none (a layer trained before the restart and frozen after it was called frozen throughout, the
+summary's word being the last attempt's alone). The model's trainable elements are the last attempt's.
 
 What the summary says (``module_entry``, ``TrainedSeen.summary``):
 
@@ -24,11 +27,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import pandas as pd
 import torch
 
+from precprof import tables as T
 from precprof.capture.storage import _storage
 
-Run = list[Any]  # [first sampled step, last sampled step, requires_grad, had a gradient]
+# [first sampled step, last sampled step, requires_grad (None: not known, a resumed run's earlier attempt's), had a
+# gradient]
+Run = list[Any]
 
 
 def distinct(params: Any) -> list[tuple[torch.Tensor, int]]:
@@ -83,13 +90,33 @@ class TrainedSeen:
             self._numel.append([step, step, n])
         self._last = step
 
+    def resumed(self, layers: pd.DataFrame) -> None:
+        """The sampled steps of a resumed run's earlier attempts (``layers``: their rows, before the step it
+        resumed at), before any of its own: per parameter with a weight row on a step, whether a gradient was
+        read there (a ``weight_grad`` row with calls). Its ``requires_grad`` there was not recorded: True where
+        it had a gradient, else None (not known), from which no change is read (``runs``, ``frozen``)."""
+        if layers.empty or T.CALLS not in layers:
+            return
+        step = pd.to_numeric(layers[T.STEP], errors="coerce")
+        module, param, tensor = T.texts(layers[T.MODULE]), T.texts(layers[T.PARAM]), T.texts(layers[T.TENSOR])
+        grads = ((tensor == T.WEIGHT_GRAD) & (pd.to_numeric(layers[T.CALLS], errors="coerce") > 0)).to_numpy()
+        had = set(zip(step[grads], module[grads], param[grads], strict=True))
+        weights = (tensor == T.WEIGHT).to_numpy()
+        last = before = None  # the step of the rows seen last, and the sampled step before it
+        for s, m, p in sorted(set(zip(step[weights], module[weights], param[weights], strict=True))):
+            if s != last:
+                before, last = last, s
+            state = (True, True) if (s, m, p) in had else (None, False)
+            _extend(self._runs.setdefault((str(m), str(p)), []), int(s), before, state)
+        self._last = int(last) if last is not None else None
+
     def runs(self, module: str, param: str, tensor: torch.Tensor) -> dict[str, Any] | None:
         """Where ``module``'s ``param``'s ``requires_grad`` changed over the sampled steps or after the last of
         them (``tensor``: the parameter, read now): its runs (``runs``) and its ``requires_grad`` now (``end``);
         None where it did not."""
         runs = self._runs.get((module, param))
         end = bool(tensor.requires_grad)
-        if not runs or {r[2] for r in runs} == {end}:
+        if not runs or {r[2] for r in runs} - {None} <= {end}:  # (None: an earlier attempt's, not known)
             return None
         return {"runs": [list(r) for r in runs], "end": end}
 
@@ -111,7 +138,7 @@ class TrainedSeen:
         return {"trainable_changes": {"numel": [list(r) for r in self._numel], "most": most, "end": end}}
 
 
-def _extend(runs: list[Run], step: int, last: int | None, state: tuple[bool, bool]) -> None:
+def _extend(runs: list[Run], step: int, last: int | None, state: tuple[bool | None, bool]) -> None:
     """``state`` at sampled step ``step`` added to ``runs``: the last run goes on where it is the same state and
     was seen at the sampled step before (``last``)."""
     if runs and runs[-1][1] == last and (runs[-1][2], runs[-1][3]) == state:

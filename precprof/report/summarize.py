@@ -500,8 +500,9 @@ def trainable_said(changed: Mapping[str, Any]) -> tuple[str, str] | None:
             label = f"requires_grad on sampled steps {step_runs(wanted)}, no gradient"
         else:  # (requires_grad set after the last sampled step)
             label = "frozen on every sampled step" + (", requires_grad at the end" if v.get("end") else "")
-        states = ", ".join(
-            f"{bool(r[2])} on {'sampled steps ' if k == 0 else ''}{step_runs([r])}"
+        states = ", ".join(  # (None: an earlier attempt's of a resumed run, which had no gradient there)
+            f"{'not recorded' if r[2] is None else bool(r[2])} on {'sampled steps ' if k == 0 else ''}"
+            f"{step_runs([r])}"
             for k, r in enumerate(runs)
         )
         tip = f"requires_grad changed during the run: {states}; {bool(v.get('end'))} at the end"

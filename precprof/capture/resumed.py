@@ -1,0 +1,52 @@
+"""What a Profiler resumed at ``first_step`` (``Profiler(out, resume=True, first_step=N)``) takes from the steps
+its earlier attempts recorded in the run directory's stream before ``first_step`` (the steps from it on are
+recorded again, and supersede theirs):
+
+- the dashboards, their skipped count (the killed job's points from the restart on are dropped);
+- the reducer, their sampled steps (``sampled_steps_reduced`` counts the run's, not this process's);
+- the budget's thinning and spacing, their budgeted samples (``Sampler.resumed``);
+- which parameters had gradients on their sampled steps (``TrainedSeen.resumed``): a layer trained in an earlier
+  attempt and frozen in the last was called frozen throughout (summary.json's ``modules[].frozen``), with no
+  "had gradients on sampled steps" label, the capture's word being the last attempt's alone.
+
+Never at the cost of the attach: a stream that cannot be read leaves each as a fresh run has it."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from precprof import parts
+from precprof import tables as T
+from precprof.capture.sampling import REASON_BUDGET, Sampler
+from precprof.capture.trainable import TrainedSeen
+
+
+def _table(read: parts.StreamRead, name: str, first_step: int) -> pd.DataFrame:
+    """The rows of table ``name`` before ``first_step``, every earlier attempt's."""
+    table = parts.concat(read.tables.get(name) or [])
+    kept = table.to_pandas() if table is not None else pd.DataFrame()
+    return kept[kept[T.STEP] < first_step] if not kept.empty else kept
+
+
+def go_on_from(
+    path: Path, first_step: int, sampler: Sampler, reducer: Any, dashboards: Any, trained: TrainedSeen
+) -> None:
+    """Hand the earlier attempts' steps of the run directory ``path`` to each (the module docstring); ``reducer``
+    and ``dashboards``: None where the run has none."""
+    read = None
+    with contextlib.suppress(Exception):
+        read = parts.read_stream(path, ("steps", "layers"), T.STEP)
+        kept = _table(read, "steps", first_step)
+        if reducer is not None and T.SAMPLED in kept:
+            reducer.earlier_samples = int(T.flags(kept[T.SAMPLED]).sum())
+        if sampler.budgeted and T.SAMPLE_REASON in kept:  # (each attempt began its 200 dense ones)
+            sampler.resumed(kept.loc[T.texts(kept[T.SAMPLE_REASON]) == REASON_BUDGET, T.STEP])
+        if dashboards is not None:
+            dashboards.resumed(kept, first_step)
+    if read is not None:
+        with contextlib.suppress(Exception):
+            trained.resumed(_table(read, "layers", first_step))
