@@ -1640,6 +1640,7 @@ def test_a_resumed_run_goes_on_thinning_from_its_earlier_attempts(
         replayed = S.Sampler(every=None)
         replayed.resumed(budgeted)
         assert (prof._sampler.budgeted_samples, prof._sampler.thin_gap) == (3, replayed.thin_gap) == (3, 2)
+        assert prof._sampler._last_budget == 4  # the next budgeted sample is spaced from the last one
         for step in range(6, 9):
             train_step(model, opt, prof, step)
     prof.save()

@@ -232,9 +232,10 @@ class Sampler:
     def resumed(self, budgeted: Any) -> None:
         """The steps the earlier attempts of a resumed run sampled within the budget: the thinning goes on from
         theirs (each attempt took its ``DENSE_SAMPLES`` at the budget's pace: a run resumed every few hours, as a
-        preemptible job is, never thinned)."""
+        preemptible job is, never thinned), and the spacing from the last of them."""
         for step in sorted(int(s) for s in budgeted):
             self._thin(step)
+            self._last_budget = step
 
     def _spacing(self) -> int:
         """The fewest steps between two budgeted samples: ``SPACING`` times the gap at which sampled steps spend
