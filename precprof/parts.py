@@ -202,10 +202,13 @@ def read_stream(
     names: tuple[str, ...],
     step: str,
     dictionary: Mapping[str, tuple[str, ...]] | None = None,
+    columns: Mapping[str, tuple[str, ...]] | None = None,
 ) -> StreamRead:
     """Read every committed part of ``run_dir``'s stream. ``step`` names the step column, which the
     superseding of resumed segments filters on. Never raises for a damaged part: it is skipped, with a
     notice naming the file. ``dictionary``: per table, the text columns to read as Arrow dictionaries.
+    ``columns``: per table, the only columns to read (those a part has), for a reader that needs a few of a
+    long run's (a resume's five of the layers table's hundred: 0.1 s against 28 s for 1.2M rows).
 
     The parts of a table in a segment are read as one Arrow dataset (a thousand flushes in one call, on
     Arrow's threads); only when that fails (a damaged part, parts whose column types differ) are they read
@@ -217,7 +220,9 @@ def read_stream(
         cut = min(starts[i + 1 :], default=None)  # rows at or after it were recorded again later
         read = None
         for attempt in range(_READ_ATTEMPTS):
-            read = _read_segment(seg, run_dir, cut, names, step, dictionary, attempt == _READ_ATTEMPTS - 1)
+            read = _read_segment(
+                seg, run_dir, cut, names, step, dictionary, attempt == _READ_ATTEMPTS - 1, columns
+            )
             if read is not None:
                 break
         assert read is not None
@@ -241,6 +246,7 @@ def _read_segment(
     step: str,
     dictionary: Mapping[str, tuple[str, ...]] | None,
     last: bool = False,
+    columns: Mapping[str, tuple[str, ...]] | None = None,
 ) -> tuple[dict[str, list[pa.Table]], list[str], int] | None:
     """One segment's committed parts: per table its Arrow tables, the notices, the parts read. None when a
     part went while it was read (merged meanwhile: read the segment again), unless ``last``."""
@@ -257,7 +263,9 @@ def _read_segment(
     order = [COMMIT_TABLE, *(n for n in names if n != COMMIT_TABLE)] if COMMIT_TABLE in names else names
     for name in order:
         files = [flushes[seq][name] for seq in committed if name in flushes[seq]]
-        table, bad = _read_parts(files, run_dir, notices, (dictionary or {}).get(name, ()))
+        table, bad = _read_parts(
+            files, run_dir, notices, (dictionary or {}).get(name, ()), (columns or {}).get(name)
+        )
         if not last and any(not f.exists() for f in bad):
             return None
         if name == COMMIT_TABLE and bad:
@@ -273,21 +281,30 @@ def _read_segment(
 
 
 def _read_parts(
-    files: list[Path], run_dir: Path, notices: list[str], dictionary: tuple[str, ...] = ()
+    files: list[Path],
+    run_dir: Path,
+    notices: list[str],
+    dictionary: tuple[str, ...] = (),
+    columns: tuple[str, ...] | None = None,
 ) -> tuple[pa.Table | None, set[Path]]:
     """The parts ``files`` as one table (None without any), and those that could not be read (each noted).
-    ``dictionary``: text columns read as Arrow dictionaries (never materialised as one string per row)."""
+    ``dictionary``: text columns read as Arrow dictionaries (never materialised as one string per row);
+    ``columns``: the only ones to read, of those the parts have (None: all)."""
     if not files:
         return None, set()
     try:
         fmt = ds.ParquetFileFormat(read_options=ds.ParquetReadOptions(dictionary_columns=list(dictionary)))
-        return ds.dataset([str(f) for f in files], format=fmt).to_table(), set()
+        data = ds.dataset([str(f) for f in files], format=fmt)
+        have = data.schema.names
+        return data.to_table(columns=None if columns is None else [c for c in columns if c in have]), set()
     except (OSError, pa.ArrowException):
         pass  # one by one: which part is damaged, or which types differ
     tables, bad = [], set()
     for f in files:
         try:
-            tables.append(pq.read_table(f, read_dictionary=list(dictionary) or None))
+            have = pq.read_schema(f).names
+            cols = None if columns is None else [c for c in columns if c in have]
+            tables.append(pq.read_table(f, columns=cols, read_dictionary=list(dictionary) or None))
         except (OSError, pa.ArrowException) as e:
             msg = " ".join(str(e).split())[:120]
             notices.append(f"{f.relative_to(run_dir)} is damaged and was skipped ({msg})")

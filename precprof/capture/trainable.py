@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pandas as pd
 import torch
 
@@ -97,18 +98,38 @@ class TrainedSeen:
         it had a gradient, else None (not known), from which no change is read (``runs``, ``frozen``)."""
         if layers.empty or T.CALLS not in layers:
             return
-        step = pd.to_numeric(layers[T.STEP], errors="coerce")
-        module, param, tensor = T.texts(layers[T.MODULE]), T.texts(layers[T.PARAM]), T.texts(layers[T.TENSOR])
-        grads = ((tensor == T.WEIGHT_GRAD) & (pd.to_numeric(layers[T.CALLS], errors="coerce") > 0)).to_numpy()
-        had = set(zip(step[grads], module[grads], param[grads], strict=True))
-        weights = (tensor == T.WEIGHT).to_numpy()
-        last = before = None  # the step of the rows seen last, and the sampled step before it
-        for s, m, p in sorted(set(zip(step[weights], module[weights], param[weights], strict=True))):
-            if s != last:
-                before, last = last, s
-            state = (True, True) if (s, m, p) in had else (None, False)
-            _extend(self._runs.setdefault((str(m), str(p)), []), int(s), before, state)
-        self._last = int(last) if last is not None else None
+        step = pd.to_numeric(layers[T.STEP], errors="coerce").to_numpy()
+        tensor = T.texts(layers[T.TENSOR])
+        calls = pd.to_numeric(layers[T.CALLS], errors="coerce").to_numpy()
+        ok = np.isfinite(step)
+        weights = (tensor == T.WEIGHT).to_numpy() & ok
+        grads = (tensor == T.WEIGHT_GRAD).to_numpy() & (calls > 0) & ok
+        if not weights.any():
+            return
+        # by arrays (a long run's resume reads a few hundred thousand weight rows): a parameter's code k, its
+        # rows' (step, k) as one integer, each weight row's whether a gradient row of it was read on that step
+        mcode, modules = pd.factorize(layers[T.MODULE])
+        pcode, params = pd.factorize(layers[T.PARAM])
+        codes = mcode.astype(np.int64) * len(params) + pcode
+        n = max(len(modules) * len(params), 1)
+        s = step.astype(np.int64)
+        row = np.unique(s[weights] * n + codes[weights])
+        had = np.isin(row, s[grads] * n + codes[grads])
+        sampled = np.unique(row // n)  # the sampled steps, in order
+        k, at = row % n, row // n
+        order = np.lexsort((at, k))
+        k, at, had = k[order], at[order], had[order]
+        pos = np.searchsorted(sampled, at)
+        # a run goes on over a parameter's rows at consecutive sampled steps in one state
+        new = np.ones(len(k), dtype=bool)
+        new[1:] = (k[1:] != k[:-1]) | (pos[1:] != pos[:-1] + 1) | (had[1:] != had[:-1])
+        starts = np.flatnonzero(new)
+        for a, b in zip(starts, np.r_[starts[1:], len(k)] - 1, strict=True):
+            m, p = modules[k[a] // len(params)], params[k[a] % len(params)]
+            self._runs.setdefault((str(m), str(p)), []).append(
+                [int(at[a]), int(at[b]), True if had[a] else None, bool(had[a])]
+            )
+        self._last = int(sampled[-1])
 
     def runs(self, module: str, param: str, tensor: torch.Tensor) -> dict[str, Any] | None:
         """Where ``module``'s ``param``'s ``requires_grad`` changed over the sampled steps or after the last of
