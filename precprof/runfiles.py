@@ -280,6 +280,18 @@ def trainable_changed(summary: Mapping[str, Any] | None) -> dict[str, dict[str, 
     return out
 
 
+def not_in_optimizer(summary: Mapping[str, Any] | None) -> set[tuple[str, str]]:
+    """The (module, param) of the captured parameters that were trainable on a sampled step in which an optimizer
+    the Profiler follows stepped, and that no optimizer it follows held on any such step (the capture's
+    ``trainable_not_in_optimizer``: {module: [param, ...]}); empty for a run recorded before the capture wrote it,
+    one that followed no optimizer, and one whose optimizers held every trainable parameter."""
+    capture = (summary or {}).get(SUMMARY_CAPTURE)
+    loose = capture.get("trainable_not_in_optimizer") if isinstance(capture, Mapping) else None
+    if not isinstance(loose, Mapping):
+        return set()
+    return {(str(m), str(p)) for m, ps in loose.items() if isinstance(ps, list) for p in ps}
+
+
 def trainable_changes(summary: Mapping[str, Any] | None) -> dict[str, Any]:
     """The capture's ``trainable_changes`` (the model's trainable elements per run of sampled steps, ``numel``:
     [[first, last, elements], ...], the most at once and at the end), where requires_grad changed during the run;

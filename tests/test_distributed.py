@@ -444,9 +444,12 @@ def test_zero_redundancy_optimizer_states_are_the_ranks_shard(runs: Path) -> Non
 def test_no_wrapper_reads_as_a_model_whose_parameters_changed(runs: Path) -> None:
     """Each sampled step compares the model's parameters with the capture plan's, object by object (a model
     changed mid-run is planned again): DDP, FSDP1's flat parameters and FSDP2's DTensors keep theirs from step to
-    step, so no run re-planned."""
-    for scenario in SCENARIOS + OTHER_SCENARIOS:
-        assert T.read_summary(run_dir(runs, scenario))[T.SUMMARY_CAPTURE]["model_changes"] == [], scenario
+    step, so no run re-planned. Nor did any find a trainable parameter its optimizer does not hold: DDP's names
+    and FSDP1's flat parameters are the optimizer's parameters, by object."""
+    for scenario in SCENARIOS + OTHER_SCENARIOS + TRAIN_SCENARIOS:
+        capture = T.read_summary(run_dir(runs, scenario))[T.SUMMARY_CAPTURE]
+        assert scenario in TRAIN_SCENARIOS or capture["model_changes"] == [], scenario
+        assert "trainable_not_in_optimizer" not in capture, (scenario, capture["trainable_not_in_optimizer"])
 
 
 def test_fsdp2_saved_activations_are_those_of_ddp(runs: Path) -> None:

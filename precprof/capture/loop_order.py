@@ -34,6 +34,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from precprof import tables as T
 from precprof.capture.model_facts import optimizer_class
+from precprof.capture.optimizer_held import HeldSeen
 from precprof.capture.trainable import TrainedSeen
 
 # what can go wrong, as the summary names it (``capture.loop_order``)
@@ -64,6 +65,8 @@ class LoopOrder:
         self._params: Mapping[int, Any] = {}  # the ids of the model's trained parameters
         # which parameters trained on the sampled steps (a layer unfrozen mid-run)
         self.trained = TrainedSeen()
+        # which trainable parameters no optimizer it follows held on the sampled steps they stepped in
+        self.held = HeldSeen()
         self.begin()
 
     def begin(self) -> None:
@@ -129,13 +132,16 @@ class LoopOrder:
 
     def judge(self, step: int, hooks: Any) -> None:
         """The sampled step ``step`` ends: its faults counted and, the first time of each kind, warned about, and
-        which parameters trained in it noted (``trainable.py``). ``hooks``: the step's ``StepHooks`` (None: none),
+        which parameters trained in it noted (``trainable.py``), and, where a followed optimizer stepped, which of
+        them it held (``optimizer_held.py``). ``hooks``: the step's ``StepHooks`` (None: none),
         whose ``ran_nothing`` tells whether it ran no forward and no backward (asked only when no optimizer
         stepped)."""
         self.active = False
         ran_nothing: Callable[[], bool] = hooks.ran_nothing if hooks is not None else bool
         if hooks is not None:
             self.trained.note(step, hooks)
+            if self._steps_of:
+                self.held.note(hooks)
         most = max(self._steps_of.values(), default=0)
         faults: dict[str, dict[str, Any]] = {}
         if self._unfollowed:
@@ -184,6 +190,11 @@ class LoopOrder:
                 "the step before's update (prof.step() called before optimizer.step()?)"
             )
         return f"sampled step {step} ran no forward, backward or optimizer step (prof.step() called twice?)"
+
+    def trained_summary(self, model: Any) -> dict[str, Any]:
+        """For summary.json's ``capture``: which parameters trained, where that changed during the run
+        (``TrainedSeen.summary``), and those no optimizer the Profiler follows held (``HeldSeen.summary``)."""
+        return {**self.trained.summary(model), **self.held.summary()}
 
     def summary(self) -> dict[str, dict[str, Any]]:
         """For summary.json's ``capture.loop_order``: per kind seen, the first sampled step, how many had it and

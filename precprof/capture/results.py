@@ -333,7 +333,7 @@ class ProfilerResults:
             # an optimizer given after the run began (``use_optimizer``): from which step its updates were read
             "updates_from": self.updates_from(),
             "model_changes": [dict(c) for c in self._model_changes],  # planned again (replan.py)
-            **self._loop.trained.summary(self.model),  # requires_grad changed mid-run (trainable.py)
+            **self._loop.trained_summary(self.model),  # requires_grad changed; not in the optimizer
             "fp8_recipe": fp8_recipes(_compat.unwrapped(self.model)),  # what its Float8Linear layers ran
             "block_recipe": block_recipes(_compat.unwrapped(self.model)),  # what its MX layers ran
             # the nn.Linear biases their torchao training weight's F.linear leaves out (MXFP8 through quantize_)
