@@ -975,12 +975,24 @@ class _ProfiledOptimizer(TrainerCallback):  # type: ignore[misc]
         self.optimizer = self.cb.profiler.optimizer
 
 
+class _NewHead(TrainerCallback):  # type: ignore[misc]
+    """A new output head in place of GPT-2's tied one when training begins, after the optimizer was built."""
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        model.lm_head = torch.nn.Linear(N_EMBD, VOCAB, bias=False)
+
+
 @pytest.mark.parametrize("own", [False, True], ids=["trainers", "users_with_an_optimizer_attribute"])
 def test_the_profiler_is_given_the_optimizer_that_steps_the_weights(tmp_path: Path, own: bool) -> None:
     """The Trainer hands callbacks accelerate's AcceleratedOptimizer: the Profiler is given the optimizer inside
     it. A user's optimizer with an attribute named ``optimizer`` is that optimizer, not a wrapper of the one the
-    attribute holds: the callback went down it to an SGD that never stepped, and the run had no weight updates."""
+    attribute holds: the callback went down it to an SGD that never stepped, and the run had no weight updates.
+    The user's run also puts a new head in place of the tied one once the optimizer was built: it gets gradients
+    and is never updated, and ``gradients_not_applied`` names it (the Trainer's own optimizer, over every parameter
+    with the head tied to the embedding, holds them all: nothing is said)."""
     from accelerate.optimizer import AcceleratedOptimizer
+
+    from precprof.analysis.advisor import recommend
 
     cb = PrecprofCallback(out=tmp_path / "run", sample_every=1, memory=False, report=False)
     seen = _ProfiledOptimizer(cb)
@@ -988,9 +1000,18 @@ def test_the_profiler_is_given_the_optimizer_that_steps_the_weights(tmp_path: Pa
     opt = _AdamWHoldingAnother(model.parameters()) if own else None
     targs = training_args(tmp_path, max_steps=2)
     trainer = Trainer(
-        model=model, args=targs, train_dataset=TokenData(), callbacks=[cb, seen], optimizers=(opt, None)
+        model=model,
+        args=targs,
+        train_dataset=TokenData(),
+        callbacks=[_NewHead(), cb, seen] if own else [cb, seen],
+        optimizers=(opt, None),
     )
     trainer.train()
+    loose = T.read_summary(cb.run_dir)[T.SUMMARY_CAPTURE].get("trainable_not_in_optimizer")
+    assert loose == ({"lm_head": ["weight"]} if own else None), loose
+    if own:
+        f = recommend(cb.run_dir).finding("gradients_not_applied")
+        assert f is not None and f.modules == ["lm_head"] and f.numbers["steps"] == 2, f
     assert isinstance(trainer.optimizer, AcceleratedOptimizer)
     assert seen.optimizer is trainer.optimizer.optimizer
     assert seen.optimizer is opt if own else type(seen.optimizer) is torch.optim.AdamW

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import html
 import re
+import warnings
 from pathlib import Path
 
 import torch
@@ -266,3 +267,56 @@ def test_a_layer_unfrozen_outside_the_optimizer_is_said_to_get_no_update() -> No
     assert "add_param_group" in f.remedy
     assert run("all").finding("gradients_not_applied") is None
     assert run("added").finding("gradients_not_applied") is None
+
+
+def test_a_head_added_after_the_optimizer_was_built_is_said_to_get_no_update() -> None:
+    """The commonest form of the bug: a head added to the model after the optimizer was built. Its requires_grad is
+    set throughout and its gradient is computed on every step; it never moves, and nothing said so (the finding
+    fired only for a layer unfrozen during the run). The capture records the parameters no optimizer it follows
+    held on the sampled steps they stepped in, and the finding names them. None where they are held: a tied head
+    (the embedding's Parameter under another name), the optimizer over every parameter, a second optimizer given
+    to the Profiler that holds the head, a param group added mid-run; none for a frozen layer left out of the
+    optimizer, an optimizer the Profiler was not given that steps the head, or a Profiler that follows none."""
+
+    def run(how: str) -> tuple[precprof.Profiler, dict[str, list[str]]]:
+        torch.manual_seed(0)
+        model = nn.Sequential(
+            nn.Embedding(8, 4), nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 8, bias=False)
+        )
+        model[1].requires_grad_(False)  # frozen, and left out of the optimizer: no gradient, nothing said
+        if how == "tied":
+            model[3].weight = model[0].weight
+        # (tied: the embedding's weight held as the head's alone)
+        params = [*model[3].parameters(), *model[2].parameters()] if how == "tied" else model.parameters()
+        opt = torch.optim.SGD([p for p in params if p.requires_grad], lr=0.1)
+        if how != "tied":
+            model.append(nn.Linear(8, 8))  # the new head, after the optimizer was built
+        others = [torch.optim.SGD(model[-1].parameters(), lr=0.1)] if how in ("second", "not given") else []
+        given = {"second": [opt, *others], "none": None}.get(how, opt)
+        with precprof.Profiler(model, optimizer=given, sample_every=1, memory=False) as prof:
+            for step in range(4):
+                if how == "group" and step == 2:
+                    opt.add_param_group({"params": list(model[-1].parameters())})
+                model(torch.randint(0, 8, (2, 3))).square().mean().backward()
+                for o in [opt, *others]:
+                    o.step()
+                    o.zero_grad(set_to_none=True)
+                prof.step()
+        return prof, prof.summary().get("trainable_not_in_optimizer", {})
+
+    prof, loose = run("head")
+    assert loose == {"4": ["weight", "bias"]}, loose
+    f = precprof.recommend(prof).finding("gradients_not_applied")
+    assert f is not None and f.modules == ["4"], f
+    assert (f.numbers["parameters"], f.numbers["steps"]) == (2, 4)
+    assert "added to the model after the optimizer was built" in f.message, f.message
+    assert "unfrozen" not in f.message and "when you add the module," in f.remedy, f.remedy
+    for how in ("tied", "second", "group", "not given", "none"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # ("not given": the loop's order is warned about)
+            prof, loose = run(how)
+        # (an optimizer the Profiler was not given holds it: the capture says none it follows does, and
+        # steps_without_update speaks of the other optimizer)
+        assert loose == ({"4": ["weight", "bias"]} if how == "not given" else {}), (how, loose)
+        if how in ("tied", "not given"):  # (the others: the rule has nothing to go on, and 0.3 s each)
+            assert precprof.recommend(prof).finding("gradients_not_applied") is None, how

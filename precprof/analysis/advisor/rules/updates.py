@@ -726,13 +726,16 @@ def _rule_steps_without_update(run: _Run, plan: _Plan) -> None:
 
 
 def _rule_gradients_not_applied(run: _Run, plan: _Plan) -> None:
-    """Parameters unfrozen during the run (``capture.modules[].trainable_changed``) with a gradient on sampled steps
-    the optimizer the Profiler follows stepped, whose update no sampled step read (no ``weight_update`` row of
-    theirs in the run, the update sample not having skipped them): no optimizer it follows holds them, and they
-    never move. A layer unfrozen after the optimizer was built from
-    the trainable parameters (the HF Trainer's ``create_optimizer``, ``filter(lambda p: p.requires_grad, ...)``)
-    gets gradients and no update: it was said to have trained (tester t3). Left to ``steps_without_update`` where
-    an optimizer the Profiler was not given stepped the model's parameters (they may be its)."""
+    """Parameters with a gradient on sampled steps the optimizer the Profiler follows stepped, whose update no
+    sampled step read (no ``weight_update`` row of theirs in the run, the update sample not having skipped them),
+    and that no optimizer it follows holds, so that they never move: those the capture found trainable and in no
+    param group of the optimizers it follows on any sampled step they stepped (``capture.trainable_not_in_optimizer``:
+    a head or an adapter added to the model after the optimizer was built, param groups that leave a submodule
+    out), and those unfrozen during the run (``capture.modules[].trainable_changed``) with no update read, for a
+    run recorded before the capture said which it held. A layer unfrozen after the optimizer was built from the
+    trainable parameters (the HF Trainer's ``create_optimizer``, ``filter(lambda p: p.requires_grad, ...)``) gets
+    gradients and no update: it was said to have trained (tester t3). Left to ``steps_without_update`` where an
+    optimizer the Profiler was not given stepped the model's parameters (they may be its)."""
     layers = run.layers
     updated = _updated_steps(run)
     if layers.empty or not updated or _unfollowed_steps(run)[0]:
@@ -751,10 +754,12 @@ def _rule_gradients_not_applied(run: _Run, plan: _Plan) -> None:
     ]
     steps = grads[T.STEP].astype(int)
     grads = grads[steps.isin(updated) & (steps >= since if isinstance(since, int) else True)]
-    # (of the parameters whose requires_grad changed during the run, as the capture saw it: the unfrozen ones)
+    # those the capture found in no param group of the optimizers it follows (a head added after the optimizer
+    # was built), and those whose requires_grad changed during the run, as the capture saw it (the unfrozen ones)
+    never = T.not_in_optimizer(run.summary)
     changed = {(m, str(p)) for m, ps in T.trainable_changed(run.summary).items() for p in ps}
     keys = list(zip(T.texts(grads[T.MODULE]), T.texts(grads[T.PARAM]), strict=True))
-    loose = grads[[k in changed and k not in held for k in keys]]
+    loose = grads[[(k in never or k in changed) and k not in held for k in keys]]
     if loose.empty:
         return
     modules = run.sort(dict.fromkeys(T.texts(loose[T.MODULE])))
@@ -763,20 +768,36 @@ def _rule_gradients_not_applied(run: _Run, plan: _Plan) -> None:
     )
     at = sorted(set(loose[T.STEP].astype(int)))
     lim = run.cfg.max_listed_modules
+    # (one whose requires_grad changed is said unfrozen, the capture's word or not)
+    unfrozen = run.sort(dict.fromkeys(m for m, p in params if (m, p) in changed))
+    added = run.sort(dict.fromkeys(m for m, p in params if (m, p) not in changed))
+    both = bool(added and unfrozen)
+    added_said = (
+        (f"Those of {_listing(added, lim)} were" if both else "They were")
+        + " trainable, and in none of the optimizer's param groups on any sampled step it stepped: a "
+        "module added to the model after the optimizer was built (a new head, an adapter), or param groups that "
+        "leave a submodule out, does this (the Hugging Face Trainer builds its optimizer when train() begins)."
+    )
+    unfrozen_said = (
+        (f"Those of {_listing(unfrozen, lim)} were unfrozen during the run: a" if both else "A")
+        + " layer unfrozen after the optimizer was built from the trainable parameters does this (the Hugging "
+        "Face Trainer's create_optimizer keeps those with requires_grad at the start; so does "
+        "filter(lambda p: p.requires_grad, model.parameters()))."
+    )
     plan.add(
         Finding(
             "gradients_not_applied",
             WARNING,
             f"{len(params)} parameter(s) got gradients and no update: no optimizer the Profiler follows holds them",
             f"On {len(at)} sampled step(s) the optimizer stepped ({_listed([str(s) for s in at], 6)}), the "
-            f"parameters of {_listing(modules, lim)} had a gradient, and no sampled step updated them: the "
-            "optimizer the Profiler was given does not hold them, so they do not learn whatever their gradient. "
-            "A layer unfrozen after the optimizer was built from the trainable parameters does this (the Hugging "
-            "Face Trainer's create_optimizer keeps those with requires_grad at the start; so does "
-            "filter(lambda p: p.requires_grad, model.parameters())).",
-            "Add the parameters to the optimizer when you unfreeze them (optimizer.add_param_group({'params': "
-            "[...]})), or build the optimizer over all parameters (frozen ones get no gradient and no update); if "
-            "another optimizer steps them, give it to the Profiler too (prof.use_optimizer).",
+            f"parameters of {_listing(modules, lim)} had a gradient, and no sampled step updated them: no "
+            "optimizer the Profiler was given holds them, so they do not learn whatever their gradient. "
+            + " ".join(s for s, cause in ((added_said, added), (unfrozen_said, unfrozen)) if cause),
+            "Add the parameters to the optimizer (optimizer.add_param_group({'params': [...]})) when you "
+            + ("add the module or unfreeze them" if both else "add the module" if added else "unfreeze them")
+            + ", or build the optimizer once the model is complete, over all its parameters (frozen ones get no "
+            "gradient and no update); if another optimizer steps them, give it to the Profiler too "
+            "(prof.use_optimizer).",
             modules=modules,
             numbers={"parameters": len(params), "steps": len(at)},
         )
