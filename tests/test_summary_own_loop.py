@@ -110,3 +110,29 @@ def test_a_killed_own_loop_runs_report_names_the_precision_its_layers_ran_in(
     assert (
         taxonomy.precision_in_layers(plain) == "fp32" and taxonomy.precision_in_layers(layers.iloc[:0]) == ""
     )
+
+
+def test_the_readmes_own_loop_snippet_runs_as_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The README's "In your own training loop" block, run as it is written, with a model, an optimizer, a loss
+    and a loader of the user's: it used ``autocast("cuda")`` and a ``scaler`` it never made, which a user on a
+    CPU had to mend (tester t1). Its run directory holds the report and a recommendation."""
+    readme = (Path(precprof.__file__).parent.parent / "README.md").read_text()
+    section = readme.split("## In your own training loop", 1)[1]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 1))
+    g = torch.Generator().manual_seed(0)
+    loader = [(torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)) for _ in range(3)]
+    scope = {
+        "model": model,
+        "opt": torch.optim.SGD(model.parameters(), lr=0.1),
+        "loss_fn": nn.functional.mse_loss,
+        "loader": loader,
+    }
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code, "README.md", "exec"), scope)  # the README's own code
+    assert (tmp_path / "runs" / "mine" / "report.html").is_file()
+    assert set(scope["tables"]) >= {"layers", "steps"} and len(scope["tables"]["steps"]) == 3
+    assert precprof.recommend(tmp_path / "runs" / "mine").format
