@@ -1268,7 +1268,7 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
         "below the format's smallest normal, where they keep few significant bits while the norm, which the "
         "outlier holds, loses almost nothing (as with the massive activations of large language models). "
         f"{_not_judged_method(cfg.fp8_pushed_subnormal_max)}"
-        + _floored_method(_floored(by_key, linear))
+        + _floored_method(_floored(by_key, linear, plan.fp8_shape_blocked))
         + _scores_method(plan.fp8_scores_uncounted)
     )
     # the decision first (which layers qualify, which do not and why), then the figures; what eligible means and
@@ -1337,7 +1337,7 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
             else ""
         )
         + _overflow_words(overflowed, run.layers[T.STEP].nunique(), cfg.max_listed_modules)
-        + _floored_words(by_key, linear, cfg.max_listed_modules)
+        + _floored_words(by_key, linear, plan.fp8_shape_blocked, cfg.max_listed_modules)
         + f". Largest norm lost: e4m3 {_bound(fmax)}"
         + (f" ({_name(fmod)})" if fmod is not None else "")
         + (
@@ -1425,7 +1425,7 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
                 "max_pushed_subnormal": pmax,
                 "max_pushed_pooled": _most(by_key, linear, "pushed_pooled")[0],
                 "max_below_normal": lowest,
-                "amax_floor_layers": len(_floored(by_key, linear)),
+                "amax_floor_layers": len(_floored(by_key, linear, plan.fp8_shape_blocked)),
                 "below_normal_tensors": len(_below(by_key, linear, cfg.fp8_pushed_subnormal_max)),
                 "pushed_subnormal_max": cfg.fp8_pushed_subnormal_max,
                 "lost_norm_max": lim,
@@ -1505,14 +1505,21 @@ def _all_in_block_formats(run: _Run, plan: _Plan) -> None:
     )
 
 
-def _floored(by_key: Mapping[Any, Mapping[str, Any]], linear: list[str]) -> list[str]:
-    """The layers of ``linear`` a tensor of which had its largest value under torchao's amax floor."""
-    return [m for m in linear if any(_get(by_key, m, s, "floored") for s in (FORWARD, BACKWARD))]
+def _floored(by_key: Mapping[Any, Mapping[str, Any]], linear: list[str], blocked: set[str]) -> list[str]:
+    """The layers of ``linear`` a tensor of which had its largest value under torchao's amax floor, those FP8 would
+    not convert for their shape or type (``blocked``: a 64 x 1 head) left out: no scale of torchao's reaches them."""
+    return [
+        m
+        for m in linear
+        if m not in blocked and any(_get(by_key, m, s, "floored") for s in (FORWARD, BACKWARD))
+    ]
 
 
-def _floored_words(by_key: Mapping[Any, Mapping[str, Any]], linear: list[str], limit: int) -> str:
+def _floored_words(
+    by_key: Mapping[Any, Mapping[str, Any]], linear: list[str], blocked: set[str], limit: int
+) -> str:
     """The words naming the layers a tensor of which lies under torchao's amax floor ("" when none does)."""
-    layers = _floored(by_key, linear)
+    layers = _floored(by_key, linear, blocked)
     if not layers:
         return ""
     floor = f"{formats.FP8_AMAX_FLOOR:g}"
