@@ -102,59 +102,68 @@ def compare(
     # the reference trains first: "advised" variants take their loss scale from its recommendation
     run_order = [ref_i] + [i for i in range(len(variants)) if i != ref_i]
     current: tuple[Variant, Path] | None = None  # the run training, for sys.exit() in it
-    try:
-        for i in run_order:
-            v = variants[i]
-            run_dir = out / v.label
-            current = (v, run_dir)
-            cfg = dataclasses.replace(
-                base, precision=v.precision, loss_scale=v.loss_scale, out=run_dir, sample_every=sample_every
-            )
-            if v.loss_scale == ADVISED:
-                cfg = _advised_config(cfg, out / variants[ref_i].label)
-            try:
-                # named as its run directory is: fp16, fp16:none and fp16:advised all said "gpt-nano fp16"
-                training.train(cfg, label=v.label)
-            except UserError:
-                raise
-            except Exception as e:  # keep going: a failed precision is a result too
-                if not T.is_run_dir(run_dir):
-                    T.write_summary(
-                        run_dir,
-                        {
-                            T.SUMMARY_STATUS: T.STATUS_INCOMPLETE,
-                            T.SUMMARY_INCOMPLETE_REASON: f"{type(e).__name__}: {e}",
-                        },
-                    )
-                _say_failed(v.label, run_dir, e)
-            done.append((v, run_dir))
-            current = None
-            if on_run is not None:
-                on_run(v, run_dir)
-    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: the run in progress saved itself; compare the rest
-        with _signals.deferred():  # a second Ctrl-C does not cut compare.html short
-            _signals.consume()
-            if done:
-                finished = _finish(done, variants, tolerance, shared, t0, out)
+    with training.notes_once():  # a note on how the runs run is said once, not once a precision
+        try:
+            for i in run_order:
+                v = variants[i]
+                run_dir = out / v.label
+                current = (v, run_dir)
+                cfg = dataclasses.replace(
+                    base,
+                    precision=v.precision,
+                    loss_scale=v.loss_scale,
+                    out=run_dir,
+                    sample_every=sample_every,
+                )
+                if v.loss_scale == ADVISED:
+                    cfg = _advised_config(cfg, out / variants[ref_i].label)
+                try:
+                    # named as its run directory is: fp16, fp16:none and fp16:advised all said "gpt-nano fp16"
+                    training.train(cfg, label=v.label)
+                except UserError:
+                    raise
+                except Exception as e:  # keep going: a failed precision is a result too
+                    if not T.is_run_dir(run_dir):
+                        T.write_summary(
+                            run_dir,
+                            {
+                                T.SUMMARY_STATUS: T.STATUS_INCOMPLETE,
+                                T.SUMMARY_INCOMPLETE_REASON: f"{type(e).__name__}: {e}",
+                            },
+                        )
+                    _say_failed(v.label, run_dir, e)
+                done.append((v, run_dir))
+                current = None
+                if on_run is not None:
+                    on_run(v, run_dir)
+        except (
+            KeyboardInterrupt
+        ) as e:  # Ctrl-C or SIGTERM: the run in progress saved itself; compare the rest
+            with _signals.deferred():  # a second Ctrl-C does not cut compare.html short
+                _signals.consume()
+                if done:
+                    finished = _finish(done, variants, tolerance, shared, t0, out)
+                    with contextlib.suppress(AttributeError):  # for the CLI's check lines and message
+                        e.precprof_comparison = finished  # type: ignore[attr-defined]
+                        e.precprof_compare_html = out / COMPARE_HTML  # type: ignore[attr-defined]
+            raise
+        except (
+            SystemExit
+        ) as e:  # sys.exit() in a run's code: the process ends, as it asks, once the runs so far
+            with _signals.deferred():  # (the stopped one too: it saved itself) are compared
+                if current is not None and T.is_run_dir(current[1]):
+                    done.append(current)
+                ran = {variant.label for variant, _ in done}
+                not_run = [v.label for v in variants if v.label not in ran]
                 with contextlib.suppress(AttributeError):  # for the CLI's check lines and message
-                    e.precprof_comparison = finished  # type: ignore[attr-defined]
-                    e.precprof_compare_html = out / COMPARE_HTML  # type: ignore[attr-defined]
-        raise
-    except SystemExit as e:  # sys.exit() in a run's code: the process ends, as it asks, once the runs so far
-        with _signals.deferred():  # (the stopped one too: it saved itself) are compared
-            if current is not None and T.is_run_dir(current[1]):
-                done.append(current)
-            ran = {variant.label for variant, _ in done}
-            not_run = [v.label for v in variants if v.label not in ran]
-            with contextlib.suppress(AttributeError):  # for the CLI's check lines and message
-                e.precprof_not_run = not_run  # type: ignore[attr-defined]
-                e.precprof_stopped_run = current[0].label if current else None  # type: ignore[attr-defined]
-            if done:
-                finished = _finish(done, variants, tolerance, shared, t0, out)
-                with contextlib.suppress(AttributeError):
-                    e.precprof_comparison = finished  # type: ignore[attr-defined]
-                    e.precprof_compare_html = out / COMPARE_HTML  # type: ignore[attr-defined]
-        raise
+                    e.precprof_not_run = not_run  # type: ignore[attr-defined]
+                    e.precprof_stopped_run = current[0].label if current else None  # type: ignore[attr-defined]
+                if done:
+                    finished = _finish(done, variants, tolerance, shared, t0, out)
+                    with contextlib.suppress(AttributeError):
+                        e.precprof_comparison = finished  # type: ignore[attr-defined]
+                        e.precprof_compare_html = out / COMPARE_HTML  # type: ignore[attr-defined]
+            raise
     if not done:
         raise UserError("no run finished: nothing to compare")
     return _finish(done, variants, tolerance, shared, t0, out)

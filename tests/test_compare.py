@@ -1514,3 +1514,18 @@ def test_the_memory_caption_names_the_step_the_figure_and_table_show() -> None:
     assert "last sampled step" not in section
     assert section.count("largest measured step") == 2
     assert "(the largest measured step)" in compare_page.resources_figure(_four_runs()).axes[0].get_title()
+
+
+def test_a_note_on_how_runs_run_is_said_once_per_comparison(capsys: pytest.CaptureFixture[str]) -> None:
+    """`precprof compare` of fp16, fp16:none and fp16:advised said "this CPU has no fp16 arithmetic" three times
+    (tester t1): within ``notes_once`` (compare's runs) each note is printed once; a lone ``train`` says its own."""
+    from precprof.training import loop
+
+    with loop.notes_once():
+        for _ in range(3):
+            loop._note("this CPU has no fp16 arithmetic")
+        loop._note("another note")
+    loop._note("this CPU has no fp16 arithmetic")
+    err = capsys.readouterr().err
+    assert err.count("precprof: note: this CPU has no fp16 arithmetic") == 2
+    assert err.count("another note") == 1

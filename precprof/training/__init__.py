@@ -46,6 +46,7 @@ if TYPE_CHECKING:
         TrainRun,
         grad_norm_,
         loss_from_output,
+        notes_once,
         train,
     )
     from precprof.training.precision import (
@@ -61,7 +62,7 @@ if TYPE_CHECKING:
 # the names that live in the modules that import torch, loaded on first use (PEP 562): the CLI reads
 # TrainConfig's defaults for its options, and `precprof report` must not pay for torch to do it
 _LOADED_ON_USE = {
-    "loop": ("Callback", "TrainResult", "TrainRun", "grad_norm_", "loss_from_output", "train"),
+    "loop": ("Callback", "TrainResult", "TrainRun", "grad_norm_", "loss_from_output", "notes_once", "train"),
     "precision": (
         "PrecisionPlan",
         "convert_fp8",
@@ -86,6 +87,7 @@ __all__ = [
     "loss_from_output",
     "make_optimizer",
     "make_scaler",
+    "notes_once",
     "parse_loss_scale",
     "plan_precision",
     "resolve_device",

@@ -262,6 +262,30 @@ class _Setup:
     dist_info: Any
 
 
+# the notes printed so far by the runs of an enclosing ``notes_once()`` (``precprof compare``'s, one per precision:
+# fp16, fp16:none and fp16:advised each said that this CPU emulates fp16)
+_NOTES_SAID: list[set[str]] = []
+
+
+@contextlib.contextmanager
+def notes_once() -> Any:
+    """Within it, each note on how a run will run is printed once, however many runs ``train`` makes."""
+    _NOTES_SAID.append(set())
+    try:
+        yield
+    finally:
+        _NOTES_SAID.pop()
+
+
+def _note(text: str) -> None:
+    """``text`` as a note on standard error, unless an enclosing ``notes_once()`` printed it already."""
+    if _NOTES_SAID:
+        if text in _NOTES_SAID[-1]:
+            return
+        _NOTES_SAID[-1].add(text)
+    print(f"precprof: note: {text}", file=sys.stderr)
+
+
 def train(
     config: TrainConfig,
     *,
@@ -434,17 +458,16 @@ def _prepare(config: TrainConfig, profiler_kwargs: dict[str, Any] | None) -> _Se
     # the notes on how the run will run are warnings, shown without the progress bar too (a batch job's
     # --no-progress hid that fp16 would run 15x slower); the estimate goes with the bar (and summary.json)
     if device.type == "cpu" and config.precision in FP16_MODES and writer and not hw.fp16_native:
-        print(
-            "precprof: note: this CPU has no fp16 arithmetic; torch emulates fp16 matmuls, about 15x slower "
-            "than fp32 (bf16 runs natively or close to it)",
-            file=sys.stderr,
+        _note(
+            "this CPU has no fp16 arithmetic; torch emulates fp16 matmuls, about 15x slower than fp32 (bf16 runs "
+            "natively or close to it)"
         )
     if (note := compiling.note(config.precision, compiled)) and writer:
-        print(f"precprof: note: {note}", file=sys.stderr)
+        _note(note)
     if (note := contract.layout_note(built, shapes[0] if shapes else None)) and writer:
-        print(f"precprof: note: {note}", file=sys.stderr)
+        _note(note)
     if (note := vocabulary_note(built, config.model_args, data.vocab_size)) and config.progress and writer:
-        print(f"precprof: note: {note}", file=sys.stderr)
+        _note(note)
     if config.progress and writer:
         print(f"precprof: {footprint.line(fp)}", file=sys.stderr)
     return _Setup(
