@@ -186,6 +186,74 @@ def test_layer_selection_keeps_the_aggregates(run: dict[str, Any]) -> None:
         ev.EventStream(layers="most")
 
 
+def _scopes(events: list[ev.Event]) -> set[str]:
+    return {e.tag.split("/")[2] for e in events if e.tag.split("/")[1] == "zeros"} - {ev.ALL_LAYERS}
+
+
+def test_the_auto_layer_limit_counts_layers_as_the_report_does(
+    run: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The model's own input feeding layer 0 has a row of its own, "0:input" (T.input_module), which the
+    report's "layers profiled" does not count: neither does the limit (32 nn.Linear counted 33 and got no
+    per-layer tags). The row is a scope of its own, with its layer, its activation's tags only."""
+    tables = run["tables"]
+    modules = set(tables["layers"][T.MODULE])
+    layers = {m for m in modules if not m.endswith(T.INPUT_SUFFIX)}
+    assert modules - layers == {"0:input"}
+    monkeypatch.setattr(ev, "AUTO_LAYER_LIMIT", len(layers))
+    auto = ev.table_events(tables)
+    assert _scopes(auto) == modules
+    assert {e.tag.split("/")[-1] for e in auto if "/0:input/" in e.tag} == {T.ACTIVATION}
+    monkeypatch.setattr(ev, "AUTO_LAYER_LIMIT", len(layers) - 1)
+    assert _scopes(ev.table_events(tables)) == set()
+    # a pattern that selects a layer selects its input row; one may select the rows by their own name
+    assert _scopes(ev.table_events(tables, layers=["0"])) == {"0", "0:input"}
+    assert _scopes(ev.table_events(tables, layers=["2", "*:input"])) == {"2", "0:input"}
+
+
+def _all_tags(events: list[ev.Event]) -> dict[int, set[str]]:
+    out: dict[int, set[str]] = {}
+    for e in events:
+        if "/all/" in e.tag or e.tag.endswith("/all"):
+            out.setdefault(e.step, set()).add(e.tag)
+    return out
+
+
+def test_the_all_scope_writes_what_dashboards_md_says_on_each_step(run: dict[str, Any]) -> None:
+    """docs/dashboards.md: 54 `all` tags on a sampled step whose optimizer stepped; a step the scaler skipped
+    made no update, so the six weight_update tags are missing (48); a histogram of no finite nonzero value (every
+    weight gradient inf, a step the scaler skips) is missing too (47); 48 without an optimizer."""
+    tables = run["tables"]
+    steps = tables["steps"]
+    skipped = {int(s) for s in steps.loc[T.flags(steps[T.SKIPPED]), T.STEP]}
+    by_step = _all_tags(ev.table_events(tables, layers="none"))
+    assert sorted(by_step) == [0, 2, 4] and skipped & set(by_step) == {2}
+    update = {f"precprof/{c}/all/weight_update" for c in ("zeros", "nan", "inf")} | {
+        "precprof/lost_update/bf16/all",
+        "precprof/lost_update/fp16/all",
+        "precprof/update_ratio/all",
+    }
+    assert {s: len(t) for s, t in by_step.items()} == {0: 54, 2: 48, 4: 54}
+    assert by_step[0] - by_step[2] == update
+    # every weight gradient of step 2 inf or nan: its histogram has no row
+    hist = tables["histograms"]
+    empty = hist[~((hist[T.STEP] == 2) & (hist[T.TENSOR] == T.WEIGHT_GRAD))]
+    by_step = _all_tags(ev.table_events({**tables, "histograms": empty}, layers="none"))
+    assert by_step[0] - by_step[2] == update | {"precprof/exponent/all/weight_grad"}
+    # without an optimizer, no weight_update rows
+    layers = tables["layers"]
+    no_opt = layers[layers[T.TENSOR] != T.WEIGHT_UPDATE]
+    by_step = _all_tags(ev.table_events({**tables, "layers": no_opt}, layers="none"))
+    assert {s: len(t) for s, t in by_step.items()} == {0: 48, 2: 48, 4: 48}
+    doc = " ".join((Path(__file__).resolve().parents[1] / "docs" / "dashboards.md").read_text().split())
+    for said in (
+        "That is 54 in all, or 48 without an optimizer",
+        "the six `weight_update` tags are missing: 48",
+        "`exponent/all/weight_grad` is missing too: 47",
+    ):
+        assert said in doc, said
+
+
 def _wandb_records(run_dir: Path) -> Iterator[Any]:
     """Records of an offline run's .wandb file: a LevelDB-style log (7-byte header ':W&B' + magic + version,
     then 32 KiB blocks of chunks: crc32, length, type FULL/FIRST/MIDDLE/LAST) of protobuf Records."""

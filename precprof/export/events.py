@@ -23,12 +23,17 @@ activation, activation_grad, weight, weight_grad, weight_update):
   zero, nor on one whose sampled updates held a nan or inf.
 
 A layer's parameters (weight and bias) are summed into its ``weight`` / ``weight_grad`` / ``weight_update``
-events. What scales: the ``all`` aggregates are always written (whatever the model: 4 kinds x 12 tags, and
-with an optimizer the 3 counts of weight_update, the 2 lost_update shares and the update ratio: 54); per-layer events (up to as
-many per layer) are written for the layers ``layers`` selects: ``"auto"`` (the default) writes them when the
-first sampled step has at most ``AUTO_LAYER_LIMIT`` layers and none otherwise, ``"all"``, ``"none"``, or a list
-of ``fnmatch`` patterns of qualified names. The choice is made once, from the first sampled step, so tags stay
-stable over a run.
+events. A layer's input row (``<layer>:input``, ``T.input_module``: a matmul's input no captured module made) is
+a scope of its own with its activation events, and goes with its layer. What scales: the ``all`` aggregates are
+written on every sampled step (4 kinds x 12 tags, and with an optimizer the 3 counts of weight_update, the 2
+lost_update shares and the update ratio: 54), less what has nothing to show: a step the scaler skipped has no
+weight_update rows (48), a kind with no finite nonzero value no histogram (every weight gradient inf: 47), and the
+update ratio's cases above (docs/dashboards.md). Per-layer events (up to as many per layer) are written for the
+layers ``layers`` selects: ``"auto"`` (the default) writes them when the first sampled step has at most
+``AUTO_LAYER_LIMIT`` layers (input rows not counted, as the report's "layers profiled" counts) and none
+otherwise, ``"all"``, ``"none"``, or a list of ``fnmatch`` patterns of qualified names (a layer's input row
+with it, or by its own name). The choice is made once, from the first sampled step, so tags stay stable over a
+run.
 
 A NaN loss is written once a finite loss has been seen (a diverging run shows it); a run that never passes a
 loss writes no loss series. Pure host-side pandas: never touches a device.
@@ -159,11 +164,21 @@ class EventStream:
     def _select(self, layers: pd.DataFrame) -> set[str]:
         if self._selected is None:
             first = layers[layers[T.STEP] == layers[T.STEP].min()]
-            names = sorted(set(T.texts(first[T.MODULE])))
-            if self.layers == "all" or (self.layers == "auto" and len(names) <= AUTO_LAYER_LIMIT):
-                self._selected = set(names)
+            names = set(T.texts(first[T.MODULE]))
+            # a layer's input row ("0:input", T.input_module) is no layer: the report's "layers profiled" leaves
+            # it out, and so does the limit (32 nn.Linear counted 33 with the model's input and got no tags)
+            real = {n for n in names if not n.endswith(T.INPUT_SUFFIX)}
+            if self.layers == "all" or (self.layers == "auto" and len(real) <= AUTO_LAYER_LIMIT):
+                self._selected = names
             elif isinstance(self.layers, tuple):
-                self._selected = {n for n in names if any(fnmatch.fnmatchcase(n, p) for p in self.layers)}
+                chosen = {n for n in real if any(fnmatch.fnmatchcase(n, p) for p in self.layers)}
+                # an input row goes with its layer (pattern "2" writes "2:input" too), or by its own name
+                self._selected = chosen | {
+                    n
+                    for n in names - real
+                    if n.removesuffix(T.INPUT_SUFFIX) in chosen
+                    or any(fnmatch.fnmatchcase(n, p) for p in self.layers)
+                }
             else:
                 self._selected = set()
         return self._selected
