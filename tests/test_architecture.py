@@ -1,12 +1,14 @@
 """The import graph shows the data flow: every arrow runs one way, and no precprof import hides in a function.
 
 drivers (cli, training, compare, integrations) -> pipeline -> report -> analysis -> schema and formats;
-capture -> stats -> formats. Read from the source with ``ast``, so the test sees what a reader sees.
+capture -> stats -> formats; capture -> export -> tables. Read from the source with ``ast``, so the test sees
+what a reader sees.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -126,6 +128,16 @@ def test_capture_depends_on_nothing_downstream(graph: dict[str, set[str]], downs
     assert reaches(graph, "precprof.capture", downstream) == []
 
 
+@pytest.mark.parametrize(
+    "downstream", ["precprof.capture", "precprof.report", "precprof.analysis", "precprof.pipeline"]
+)
+def test_the_dashboards_read_tables_only(graph: dict[str, set[str]], downstream: str) -> None:
+    """capture -> export -> tables: the live dashboards and ``precprof export`` write what the tables hold."""
+    for name in graph:
+        if name.startswith("precprof.export"):
+            assert reaches(graph, name, downstream) == [], name
+
+
 def test_report_never_runs_the_advisor(graph: dict[str, set[str]]) -> None:
     for name in graph:
         if name.startswith("precprof.report"):
@@ -162,3 +174,43 @@ def test_the_hot_path_reads_as_what_it_is() -> None:
         if (n := len(p.read_text().splitlines())) > 600
     }
     assert long == {}
+
+
+REPO = ROOT.parent
+_TOKEN = re.compile(r"`([^`]+)`")
+_NAME = re.compile(r"[a-z_][a-z0-9_]*")
+
+
+def layout_rows(doc: str, header: str) -> list[tuple[list[str], list[str]]]:
+    """(places, names in the description) of each row of the table under ``header`` in ``doc``."""
+    lines = (REPO / doc).read_text().splitlines()
+    start = lines.index(header) + 2
+    rows = []
+    for line in lines[start:]:
+        if not line.startswith("|"):
+            break
+        place, what = line.strip("|").split(" | ", 1)
+        rows.append((_TOKEN.findall(place), _TOKEN.findall(what)))
+    return rows
+
+
+@pytest.mark.parametrize(
+    ("doc", "header"),
+    [("docs/design.md", "| place | responsibility |"), ("README.md", "| place | what it does |")],
+)
+def test_the_layout_tables_name_every_module_and_only_modules(doc: str, header: str) -> None:
+    """design.md's layout and the README's "How it works" name every top-level module and package (``export/``
+    and ten modules were in neither); a place names a file or folder that exists, and a bare name in a package's
+    row is a module of that package or a top-level one (the README's ``columns`` of ``capture/`` was neither)."""
+    rows = layout_rows(doc, header)
+    places = [p for row_places, _ in rows for p in row_places]
+    top = {p.name for p in ROOT.glob("*.py") if p.name != "__init__.py"}
+    top |= {f"{p.name}/" for p in ROOT.iterdir() if (p / "__init__.py").exists()}
+    assert sorted(top - set(places)) == [], f"{doc}: modules its layout table does not name"
+    assert [p for p in places if not ((ROOT / p).exists() or (REPO / p).exists())] == []
+    modules = {p.stem for p in ROOT.glob("*.py")} | {p.rstrip("/") for p in top if p.endswith("/")}
+    for row_places, names in rows:
+        packages = [ROOT / p for p in row_places if p.endswith("/") and (ROOT / p).is_dir()]
+        known = modules | {m.stem for d in packages for m in d.glob("*.py")} | {d.name for d in packages}
+        known |= {m.name for d in packages for m in d.iterdir() if (m / "__init__.py").exists()}
+        assert [n for n in names if _NAME.fullmatch(n) and n not in known] == [], (doc, row_places)
