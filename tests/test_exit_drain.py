@@ -93,6 +93,12 @@ def test_an_uncaught_exception_after_step_keeps_every_step_handed_to_the_stream(
     assert res.returncode == -2, res.stderr  # (the uncaught KeyboardInterrupt's exit)
     assert "KeyboardInterrupt" in res.stderr and "were not written" not in res.stderr, res.stderr
     assert _steps(tmp_path / "run") == ([0, 1, 2, 3], [0, 1, 2, 3], [])
+    # the cause, not the first summary's "running ...: killed (SIGKILL, out of memory ...)" (capture.unsaved)
+    assert T.read_summary(tmp_path / "run")[T.SUMMARY_INCOMPLETE_REASON] == (
+        "interrupted (KeyboardInterrupt); not caught, it ended the script after step 3 (the last step "
+        "prof.step() ended), before the run was saved: the steps flushed to its stream up to it are kept, and "
+        f"`precprof report {tmp_path / 'run'}` renders them"
+    )
 
 
 def test_a_stuck_writer_at_exit_is_waited_for_a_bounded_time_and_said(tmp_path: Path) -> None:

@@ -32,7 +32,7 @@ from torch import nn
 import precprof
 from precprof import cli, parts, pipeline, rundir, runfiles
 from precprof import tables as T
-from precprof.capture import stream, writer_process
+from precprof.capture import stream, unsaved, writer_process
 from precprof.errors import UserError
 from precprof.report import filters as F
 
@@ -494,6 +494,73 @@ def test_a_killed_runs_report_names_the_model_it_trained(tmp_path: Path) -> None
     said = f"within 5% of the run's time: {n} of 3 steps ({first} first"
     text = html_text.unescape(html)
     assert said in text and "what the sampled steps took of the run's time is not known" in text
+
+
+def test_an_exception_in_a_with_block_is_the_runs_cause_not_a_kill(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An exception inside ``with Profiler(out=...)`` left the first summary's "running ...; if it still says
+    this, the process ended before it could save: killed (SIGKILL, out of memory ...)" in summary.json and at the
+    top of the report, though ``__exit__`` knew the cause. It says the exception in one line (escaped in the
+    page: the user's text), after which step, and that the steps recorded up to it are kept; attached again (a
+    notebook's next cell) the run says "running" again, and a Ctrl-C says "interrupted". A script that never
+    used ``with`` says it at the interpreter's exit (``capture.unsaved``; a real one: tests/test_exit_drain.py)."""
+    out = tmp_path / "run"
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    prof = precprof.Profiler(model, opt, sample_every=2, out=out, memory=False)
+    kept = "before the run was saved: the steps recorded up to it are kept, and `precprof report"
+
+    def reason() -> str:
+        return str(T.read_summary(out)[T.SUMMARY_INCOMPLETE_REASON])
+
+    with pytest.raises(KeyboardInterrupt), prof:
+        for step in range(2):
+            train_step(model, opt, prof, step)
+        raise KeyboardInterrupt
+    assert (
+        reason()
+        == f"interrupted (KeyboardInterrupt); raised after step 1 (the last step prof.step() ended), {kept} {out}` renders them"
+    )
+    assert prof.status == (T.STATUS_INCOMPLETE, "interrupted (KeyboardInterrupt)")  # what a save writes
+    with pytest.raises(ValueError), prof:
+        assert reason().startswith(f"running (pid {os.getpid()},")  # attached again: running
+        for step in range(2, 4):
+            train_step(model, opt, prof, step)
+        raise ValueError("user <b>bug</b>\n  at step 3")
+    said = f"ValueError: user <b>bug</b> at step 3; raised after step 3 (the last step prof.step() ended), {kept}"
+    assert (
+        reason() == f"{said} {out}` renders them"
+        and T.read_summary(out)[T.SUMMARY_STATUS] == T.STATUS_INCOMPLETE
+    )
+    assert T.read_run(out).tables["steps"][T.STEP].tolist() == [0, 1, 2, 3]  # the unsampled step 3 too
+    prof._owned_run.release()  # as the script's end leaves it
+    html = pipeline.rerender(out).read_text()
+    banner = html.split('id="incomplete"', 1)[1].split("</div>", 1)[0]
+    assert html_text.escape(said, quote=False) in banner and "<b>" not in banner and "killed" not in banner
+    # no with: the interpreter's exit says the exception it printed, for a run still held, and only once
+    prof2 = precprof.Profiler(model, opt, sample_every=1, out=tmp_path / "run2", memory=False).attach()
+    train_step(model, opt, prof2, 0)
+
+    def exits_with(code: str, module: str = "__main__") -> None:
+        try:
+            exec(compile(code, "train.py", "exec"), {"__name__": module})
+        except Exception as e:
+            monkeypatch.setattr(sys, "last_value", e, raising=False)
+            monkeypatch.setattr(sys, "last_exc", e, raising=False)
+        unsaved._at_exit()
+
+    exits_with("raise RuntimeError('a failed test, as pytest keeps it')", "test_train")  # not the script's
+    assert str(T.read_summary(tmp_path / "run2")[T.SUMMARY_INCOMPLETE_REASON]).startswith("running (pid")
+    exits_with("raise RuntimeError('out of ideas')")
+    assert str(T.read_summary(tmp_path / "run2")[T.SUMMARY_INCOMPLETE_REASON]).startswith(
+        "RuntimeError: out of ideas; not caught, it ended the script after step 0 (the last step prof.step() "
+        "ended), before the run was saved: the steps flushed to its stream up to it are kept"
+    )
+    assert reason().startswith(said)  # the detached run's own cause stays
+    prof2.detach()
+    prof2._owned_run.release()
 
 
 def test_precprof_report_on_a_run_still_being_written(

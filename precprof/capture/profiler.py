@@ -35,7 +35,7 @@ from torch import nn
 from precprof import _compat, _signals, clipwatch, rundir
 from precprof import stats as st
 from precprof import tables as T
-from precprof.capture import attached, given
+from precprof.capture import attached, given, unsaved
 from precprof.capture.assembly import PartsAssembly
 from precprof.capture.block_budget import DEFAULT_SHARE, BlockDeal
 from precprof.capture.collect import Collector
@@ -256,10 +256,12 @@ class Profiler(PartsAssembly, ProfilerResults, OptimizerSwitch):
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         self._stance.explain(exc, self._step)  # (a fail_on_recompile error: why)
         if exc is not None and self._status == T.STATUS_COMPLETE:
-            self.mark_incomplete(f"{exc_type.__name__}: {exc}" if str(exc) else exc_type.__name__)
+            self.mark_incomplete(unsaved.cause(exc))
         # a second Ctrl-C in the detach that a first one began had cut its copy of the last steps short
         with _signals.deferred(None) if exc is not None else contextlib.nullcontext():
             self.detach()
+            if exc is not None:  # its summary says why, not "running ... killed" (every step is on disk now)
+                unsaved.say(self, exc)
 
     @property
     def attached(self) -> bool:
@@ -306,6 +308,7 @@ class Profiler(PartsAssembly, ProfilerResults, OptimizerSwitch):
                 self._owned_run.release()
             raise
         self._attached = True
+        unsaved.watch(self)  # an uncaught exception that ends the script: its run says so
         # the step in progress starts now: a re-attached Profiler does not count the time it was detached
         self._t_last = time.perf_counter()
         return self
