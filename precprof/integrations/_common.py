@@ -23,7 +23,7 @@ from torch import nn
 from precprof import tables as T
 from precprof import taxonomy
 from precprof.analysis.final import final_block
-from precprof.capture import Profiler
+from precprof.capture import Profiler, unsaved
 from precprof.capture.model_facts import model_info as model_info  # (its home before)
 from precprof.capture.reducer import RankReducer, is_distributed
 from precprof.hardware import software_versions
@@ -160,7 +160,11 @@ class Session:
         reducer: Any = getattr(self.prof, "_reducer", None)
         if reducer is not None and hasattr(reducer, "local_only"):
             reducer.local_only("saved at interpreter exit; other ranks may be gone")
-        self.finish(T.STATUS_INCOMPLETE, "the process exited before training ended (crash or interrupt)")
+        exc = unsaved.uncaught()  # the exception that ends the script, when one does: the cause
+        ended = "the process exited before training ended"
+        self.finish(
+            T.STATUS_INCOMPLETE, f"{unsaved.cause(exc)}; {ended}" if exc else f"{ended} (crash or interrupt)"
+        )
 
 
 def first_token_count(batch: Any) -> int | None:

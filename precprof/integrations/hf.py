@@ -71,6 +71,7 @@ import torch
 
 from precprof import _compat
 from precprof import tables as T
+from precprof.capture import unsaved
 from precprof.errors import MissingDependencyError, UserError
 from precprof.export.wandb import beside_trainer
 from precprof.integrations._common import Session, first_token_count, model_info
@@ -400,11 +401,7 @@ def profile_trainer(
     try:
         result = trainer.train(**(train_kwargs or {}))
     except BaseException as e:
-        reason = (
-            "interrupted (KeyboardInterrupt)"
-            if isinstance(e, KeyboardInterrupt)
-            else f"{type(e).__name__}: {e}"
-        )
+        reason = unsaved.cause(e)  # one line, as a with block's Profiler says it
         run_dir = cb.finish(T.STATUS_INCOMPLETE, reason)
         if run_dir is not None and hasattr(e, "add_note"):
             e.add_note(f"precprof: the partial run was saved to {run_dir}")

@@ -61,6 +61,7 @@ import torch
 
 from precprof import _compat
 from precprof import tables as T
+from precprof.capture import unsaved
 from precprof.errors import MissingDependencyError
 from precprof.export.wandb import beside_trainer, wandb_module
 from precprof.integrations._common import LIGHTNING_PRECISIONS, Session, model_info
@@ -348,11 +349,7 @@ class PrecprofCallback(Callback):  # type: ignore[misc]
         self.finish()
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
-        reason = (
-            "interrupted (KeyboardInterrupt)"
-            if isinstance(exception, KeyboardInterrupt)
-            else f"{type(exception).__name__}: {exception}"
-        )
+        reason = unsaved.cause(exception)  # one line, as a with block's Profiler says it
         try:
             self._close_stepped_batch(trainer, pl_module)
         except Exception as e:  # the training's own exception matters more: it is raised on, the run saved
