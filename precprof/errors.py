@@ -42,16 +42,23 @@ class ModelError(UserError):
     ``PRECPROF_TRACEBACK=1`` prints the traceback (the run failed in seconds, before training)."""
 
 
-class MissingDependencyError(UserError):
-    """An optional dependency is not installed; the message names the pip extra that provides it."""
+class MissingDependencyError(UserError, ImportError):
+    """An optional dependency is not installed; the message names the pip extra that provides it.
+
+    Also an ImportError: ``from precprof.integrations.lightning import PrecprofCallback`` raises it where
+    lightning is not installed, and the usual ``try: ... except ImportError:`` of an optional import catches it.
+    ``name`` is the missing package, as ImportError's is the module that did not import."""
 
     def __init__(self, package: str, extra: str | None = None, purpose: str = "") -> None:
-        # precprof is installed from its source tree: name the package itself, and the checkout's extra
+        # the package itself, then precprof's extra, installed (a wheel) or from its source tree
         hint = f"pip install {package}" + (
-            f" (or pip install -e '.[{extra}]' in precprof's checkout)" if extra else ""
+            f" (or precprof's extra: pip install 'precprof[{extra}]', or pip install -e '.[{extra}]' in "
+            "precprof's checkout)"
+            if extra
+            else ""
         )
         what = f" (needed for {purpose})" if purpose else ""
-        super().__init__(f"{package} is not installed{what}; install it with: {hint}")
+        super().__init__(f"{package} is not installed{what}; install it with: {hint}", name=package)
         self.package = package
         self.extra = extra
 

@@ -369,6 +369,27 @@ def test_hf_without_transformers(monkeypatch: pytest.MonkeyPatch) -> None:
         build_model("hf:gpt2", vocab_size=256, seq_len=16)
 
 
+@pytest.mark.parametrize(
+    ("module", "missing"),
+    [("precprof.integrations.hf", "transformers"), ("precprof.integrations.lightning", "lightning")],
+)
+def test_a_missing_integration_is_caught_by_except_import_error(
+    monkeypatch: pytest.MonkeyPatch, module: str, missing: str
+) -> None:
+    """``try: from precprof.integrations.lightning import PrecprofCallback`` / ``except ImportError:`` (the usual
+    optional import) did not catch precprof's error where lightning is not installed: a UserError only, it
+    crashed the user's script. It is an ImportError too, naming the package and both ways to install it."""
+    for name in ("transformers", "lightning", "lightning.pytorch", "pytorch_lightning"):
+        monkeypatch.setitem(sys.modules, name, None)  # makes `import name` fail
+    monkeypatch.delitem(sys.modules, module, raising=False)
+    with pytest.raises(ImportError) as caught:
+        importlib.import_module(module)
+    assert isinstance(caught.value, MissingDependencyError) and isinstance(caught.value, UserError)
+    assert caught.value.name == missing
+    assert f"pip install {missing} " in str(caught.value)
+    assert "pip install 'precprof[" in str(caught.value) and "pip install -e '.[" in str(caught.value)
+
+
 FACTORY_SOURCE = textwrap.dedent(
     """
     import torch
