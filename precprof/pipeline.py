@@ -30,6 +30,7 @@ import pandas as pd
 
 from precprof import _atomic, _run_finisher, _saving, _signals, hardware, rundir, taxonomy
 from precprof import tables as T
+from precprof._notice import notice
 from precprof.analysis import advisor, memory_projection, update_ratio
 from precprof.analysis.final import final_block
 from precprof.analysis.throughput import compiled_steps
@@ -134,10 +135,9 @@ def finish_run(
             saving.report_failed(report.name, e)
         except Exception as e:  # a bug in rendering must not lose the run: the data is saved
             full.setdefault(T.SUMMARY_ERRORS, []).append(f"report: {type(e).__name__}: {e}")
-            warnings.warn(
+            notice(
                 f"precprof: {T.REPORT_FILE} could not be rendered ({type(e).__name__}: {e}); "
                 f"the run is saved: try `precprof report {run_dir}`",
-                stacklevel=2,
             )
     with _signals.deferred():
         written = _write_summary(run_dir, full, saving, report)

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+import linecache
 import os
 import shutil
 import stat
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import forks
@@ -19,6 +21,7 @@ import pytest
 from conftest import kernel_required
 
 from precprof import stats
+from precprof import tables as T
 from precprof.stats import engine
 from precprof.stats import kernel as _cpu_kernel
 from precprof.stats import kernel_cache as _kernel_cache
@@ -136,6 +139,39 @@ def test_a_folder_others_could_rename_is_not_used(tmp_path: Path, monkeypatch: p
         assert _kernel_cache.cache_dir() != shared / "cache"
     os.chmod(shared, 0o1777)
     assert _kernel_cache.cache_dir() == shared / "cache"
+
+
+@posix_only
+def test_the_fallback_happens_whatever_the_warning_filters(
+    fresh: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``python -W error`` (pytest's ``filterwarnings = error``) and a cache folder that cannot be used (a file
+    there, a read-only HOME): the fallback's warning became an exception inside ``Profiler.attach()``, which never
+    attached (``precprof train`` called it a bug in precprof). The fallback happens, the warning is shown (not
+    raised), once, attributed to the user's line that attached, and it says what is wrong with the folder."""
+    import torch
+
+    import precprof
+
+    fresh.write_text("")  # a file where the folder should be
+    # no compile here (seconds): a compiler that fails leaves the torch-op path, after the fallback folder
+    monkeypatch.setattr(_cpu_kernel, "_compile", lambda *a: (_ for _ in ()).throw(OSError("no compile here")))
+    model = torch.nn.Linear(4, 4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("error")
+        prof = precprof.Profiler(model, sample_every=1, memory=False).attach()  # the user's line
+        model(torch.randn(2, 4)).sum().backward()
+        prof.step()
+        prof.detach()
+    said = [w for w in caught if "kernel cache" in str(w.message)]
+    assert len(said) == 1 and said[0].category is RuntimeWarning
+    assert f"the kernel cache {fresh} is not a directory; building in the private folder" in str(
+        said[0].message
+    )
+    assert said[0].filename == __file__ and "the user's line" in linecache.getline(__file__, said[0].lineno)
+    fallback = _kernel_cache.cache_dir()
+    assert fallback != fresh and fallback.is_dir() and "is not a directory" in str(_kernel_cache.refusal())
+    assert prof.tables()["steps"][T.STEP].tolist() == [0]
 
 
 # -- what is loaded ------------------------------------------------------------------------------------------

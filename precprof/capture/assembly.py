@@ -4,7 +4,6 @@ collector that copies a sampled step to the host, and the reducer across ranks u
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -13,6 +12,7 @@ from torch import nn
 
 from precprof import _compat, clipwatch
 from precprof import stats as st
+from precprof._notice import notice
 from precprof.capture import given
 from precprof.capture.block_budget import BlockDeal
 from precprof.capture.collect import Collector
@@ -91,7 +91,7 @@ class PartsAssembly:
             # a parameter on ``meta`` has no data and is not sampled
             updates = UpdateSampler.following(plan.params, self.optimizers, self.update_sample, self._device)
             if not updates.tracked and any(ps.grad_row >= 0 for ps in plan.params):
-                warnings.warn(given.NOT_HELD, stacklevel=3)
+                notice(given.NOT_HELD)
             self._updates = updates
         self._hooks = StepHooks(
             plan,

@@ -29,11 +29,11 @@ just before, at its first step, is the second of two attached together: not said
 
 from __future__ import annotations
 
-import warnings
 import weakref
 from typing import TYPE_CHECKING
 
 from precprof import _compat
+from precprof._notice import notice
 from precprof.capture.model_facts import compiled_parts, model_class_name
 
 if TYPE_CHECKING:
@@ -61,7 +61,6 @@ def claim(prof: Profiler) -> None:
                 other,
                 named,
                 "it watches the same model, and two Profilers on one model would record each other's hooks",
-                stacklevel=4,
             )
         elif _stopped_in_step(other):
             _suspects.setdefault(prof, []).append((other, other.current_step))
@@ -70,10 +69,9 @@ def claim(prof: Profiler) -> None:
             and (stance := other._stance.holding()) is not None
             and _stance_matters(other, prof)
         ):
-            warnings.warn(
+            notice(
                 f"precprof: {named} holds torch.compile's stance at '{stance}' for its sampled step: compiled "
                 "models run eagerly until its prof.step(). If its loop stopped, call its detach()",
-                stacklevel=3,
             )
     _attached[prof] = prof.current_step
 
@@ -93,16 +91,15 @@ def settle(prof: Profiler) -> None:
                 f"its model ran in that step, which no prof.step() ended while another Profiler took "
                 f"{_WAIT_STEPS} steps: its loop stopped inside it"
             )
-            _detach(other, named, why, stacklevel=4)
+            _detach(other, named, why)
 
 
-def _detach(other: Profiler, named: str, why: str, stacklevel: int) -> None:
+def _detach(other: Profiler, named: str, why: str) -> None:
     other.mark_incomplete(f"detached when another Profiler attached: {why}")
     other.detach()
-    warnings.warn(
+    notice(
         f"precprof: {named} was detached: {why}. Call prof.detach() when a loop stops early, or run it inside "
         "`with prof:`",
-        stacklevel=stacklevel,  # (the user's line that attaches, or that calls prof.step())
     )
 
 

@@ -26,13 +26,13 @@ for the summary's ``capture.loop_order`` (the report's environment section says 
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from precprof import tables as T
+from precprof._notice import notice
 from precprof.capture.model_facts import optimizer_class
 from precprof.capture.optimizer_held import HeldSeen
 from precprof.capture.trainable import TrainedSeen
@@ -159,8 +159,7 @@ class LoopOrder:
         entry = self.seen.get(kind)
         if entry is None:
             self.seen[kind] = {"first_step": step, "steps": 1, "at": [step], **facts}
-            # (stacklevel: the loop's prof.step() call, through Profiler.step and its never_traced wrapper)
-            warnings.warn(f"precprof: {self._said(kind, step, facts)}; {_FIX[kind]}", stacklevel=5)
+            notice(f"precprof: {self._said(kind, step, facts)}; {_FIX[kind]}")  # (inside prof.step())
             return
         entry["steps"] += 1
         if len(entry["at"]) < AT_MAX:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import re
-import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -18,6 +17,7 @@ from torch import nn
 
 from precprof import _compat
 from precprof import tables as T
+from precprof._notice import notice
 from precprof.capture.attempts import AttemptWatch, calls_running
 from precprof.capture.cast_copies import CastSources
 from precprof.capture.counters import PhaseCounters
@@ -405,11 +405,10 @@ class SavedActivations:
         elif final:
             # Ours is buried under hooks someone else pushed later; popping would remove theirs. Our pack
             # hook does nothing once detached, so leaving it costs one function call per saved tensor.
-            warnings.warn(
+            notice(
                 "precprof: saved-tensor hooks left on autograd's stack under another context's; "
                 "they are inert now",
                 RuntimeWarning,
-                stacklevel=3,
             )
             self._saved_ctx = None
 

@@ -7,11 +7,11 @@ class was still named). ``use_optimizer`` moves them to the new one and records 
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import torch
 
+from precprof._notice import notice
 from precprof.capture.given import NOT_HELD, given_optimizers
 from precprof.capture.model_facts import optimizer_class
 from precprof.capture.plan import CapturePlan
@@ -95,12 +95,7 @@ class OptimizerSwitch(Replanning):
             # a new optimizer comes with a model whose parameters changed (weight norm removed, adapters added):
             # the capture follows it from this step on before the model's forward ran (what the change itself
             # ran, the weight computed once more by remove_parametrizations, is no step's), else from the next one
-            if (
-                sampled
-                and not stepped
-                and not hooks.forward_ran
-                and self._replan_if_changed(3, mid_step=True)
-            ):
+            if sampled and not stepped and not hooks.forward_ran and self._replan_if_changed(mid_step=True):
                 self._arm(hooks.turn)
 
     def _note_updates_read(self) -> None:
@@ -156,7 +151,7 @@ class OptimizerSwitch(Replanning):
                     part.updates = updates
         trained = self._plan is not None and any(ps.grad_row >= 0 for ps in self._plan.params)
         if new and updates is not None and not updates.tracked and trained:
-            warnings.warn(NOT_HELD, stacklevel=3)
+            notice(NOT_HELD)
 
 
 def _step_marks(optimizers: list[Any]) -> list[int]:

@@ -29,6 +29,7 @@ from torch.nn.utils import parametrize
 
 from precprof import _compat, taxonomy
 from precprof import tables as T
+from precprof._notice import notice
 from precprof.capture.records import RowTable, _ModuleSlot, _ParamSlot, calls_key
 from precprof.errors import UserError
 
@@ -64,12 +65,11 @@ def leave_out_input_names(plan: CapturePlan, warn: bool = True) -> None:
         return
     first = sorted(clash)[0]
     if warn:
-        warnings.warn(
+        notice(
             f"precprof: module {first!r}{f' (and {len(clash) - 1} more)' if len(clash) > 1 else ''} is not "
             f"profiled: its name ends in {T.INPUT_SUFFIX!r}, which precprof's tables give a layer's input rows (the "
             f"input of {first.removesuffix(T.INPUT_SUFFIX)!r}, where a function computed it), and its rows would "
             "merge with those; rename it to have it profiled",
-            stacklevel=4,
         )
     plan.modules = [s for s in plan.modules if s.name not in clash]
     plan.params = [p for p in plan.params if p.module not in clash]

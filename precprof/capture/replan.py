@@ -15,10 +15,10 @@ is not sampled."""
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 from precprof import clipwatch
+from precprof._notice import notice
 from precprof.capture.plan import CapturePlan
 
 # what the hooks count or found over the run, carried over to the hooks of the new plan
@@ -62,7 +62,7 @@ class Replanning:
         self._plan.rows.begin_step()
         self._hooks.install(turn)
 
-    def _replan_if_changed(self, stacklevel: int = 5, mid_step: bool = False) -> bool:
+    def _replan_if_changed(self, mid_step: bool = False) -> bool:
         """Plan the capture again when the model's parameters are no longer the plan's (see the module
         docstring); whether it did. On a sampled step only, before its hooks read anything: one pass over the
         parameters. ``mid_step``: the sampled step is armed already (``use_optimizer`` before its forward)."""
@@ -100,10 +100,9 @@ class Replanning:
         )
         what = "parameters" if added or removed else "modules"
         said = f"new: {_few(added)}; gone: {_few(removed)}" if added or removed else _few(modules)
-        warnings.warn(
+        notice(
             f"precprof: the model's {what} changed before step {self._step} ({said}): the capture follows the "
             "model as it is now from this step on",
-            stacklevel=stacklevel,  # (the loop's line: its prof.step() or use_optimizer)
         )
         return True
 

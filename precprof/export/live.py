@@ -9,12 +9,12 @@ disk, a closed wandb run) is reported once as a warning and dropped: dashboards 
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import pandas as pd
 
 from precprof import tables as T
+from precprof._notice import notice
 from precprof.errors import UserError
 from precprof.export.events import EventStream, LayerSelection
 from precprof.export.tensorboard import TensorBoardSink
@@ -83,7 +83,7 @@ class LiveDashboards:
         self.sinks.remove(sink)
         name = "TensorBoard" if isinstance(sink, TensorBoardSink) else "wandb"
         why = str(e) if isinstance(e, UserError) else f"{type(e).__name__}: {e}"  # ours say what to do
-        warnings.warn(f"precprof: stopped writing to {name}: {why}", stacklevel=3)
+        notice(f"precprof: stopped writing to {name}: {why}")
 
 
 def _frame(name: str, parts: list[dict[str, Any]]) -> pd.DataFrame | None:

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import atexit
 import functools
-import warnings
 import weakref
 from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
+from precprof._notice import notice
 from precprof.errors import UserError
 from precprof.export.events import Event, Histogram, by_step
 
@@ -198,9 +198,7 @@ class WandbSink:
             try:
                 self._place(run, past=True)
             except Exception as e:  # wandb.finish() must go on
-                warnings.warn(
-                    f"precprof: could not log its last wandb rows: {type(e).__name__}: {e}", stacklevel=2
-                )
+                notice(f"precprof: could not log its last wandb rows: {type(e).__name__}: {e}")
 
     def _at_exit(self) -> None:
         """The process exits: rows still waiting for a run not finished yet go now."""
@@ -217,7 +215,7 @@ class WandbSink:
             if self._waiting and self._hooked is not run:  # no hook on this run's finish: now, past its step
                 self._place(run, past=True)
         if self._dropped:
-            warnings.warn(
+            notice(
                 f"precprof: wandb has no row of {_steps(self._dropped)}: the loop's own wandb.log had moved "
                 f"wandb's step past them while more than {MAX_WAITING} rows waited for wandb steps of their own "
                 "(its wandb.log(step=...) moves wandb's step on more slowly than precprof's steps). The run "
@@ -225,7 +223,6 @@ class WandbSink:
                 "loop that logs without step= gets every row at once with "
                 "Profiler(wandb=precprof.export.wandb.BesideTrainer(True))",
                 RuntimeWarning,
-                stacklevel=2,
             )
             self._dropped = []
         if self._finish:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import time
-import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, cast
@@ -22,6 +21,7 @@ from torch import nn
 
 from precprof import tables as T
 from precprof import taxonomy
+from precprof._notice import notice
 from precprof.analysis.final import final_block
 from precprof.capture import Profiler, unsaved
 from precprof.capture.model_facts import model_info as model_info  # (its home before)
@@ -102,11 +102,10 @@ class Session:
         before the checkpoint without a word. Continued, and said in one line, which names both choices."""
         if first_step <= 0 or not T.is_run_dir(self.out):
             return False
-        warnings.warn(
+        notice(
             f"precprof: training resumed at step {first_step} and {self.out} holds a run: continuing it "
             f"(its steps from {first_step} on are replaced); pass resume=True to continue without this "
             "warning, or resume=False to replace the run",
-            stacklevel=4,
         )
         return True
 
@@ -148,9 +147,7 @@ class Session:
             report = self.run_dir / T.REPORT_FILE
             self.report_path = report if render and report.exists() else None
         except Exception as e:
-            warnings.warn(
-                f"precprof: could not save the run to {self.out}: {type(e).__name__}: {e}", stacklevel=2
-            )
+            notice(f"precprof: could not save the run to {self.out}: {type(e).__name__}: {e}")
         return self.run_dir
 
     def _at_exit(self) -> None:

@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +60,7 @@ import torch
 
 from precprof import _compat
 from precprof import tables as T
+from precprof._notice import notice
 from precprof.capture import unsaved
 from precprof.errors import MissingDependencyError
 from precprof.export.wandb import beside_trainer, wandb_module
@@ -336,7 +336,7 @@ class PrecprofCallback(Callback):  # type: ignore[misc]
             self._tokens_unknown["steps"] += 1
             return
         self._tokens_unknown = {"first_step": step, "steps": 1, "why": TOKENS_UNKNOWN}
-        warnings.warn(f"precprof: the tokens of step {step} are not known: {TOKENS_UNKNOWN}", stacklevel=2)
+        notice(f"precprof: the tokens of step {step} are not known: {TOKENS_UNKNOWN}")
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
         if self._session is not None:
@@ -353,9 +353,7 @@ class PrecprofCallback(Callback):  # type: ignore[misc]
         try:
             self._close_stepped_batch(trainer, pl_module)
         except Exception as e:  # the training's own exception matters more: it is raised on, the run saved
-            warnings.warn(
-                f"precprof: could not close the step that ran: {type(e).__name__}: {e}", stacklevel=2
-            )
+            notice(f"precprof: could not close the step that ran: {type(e).__name__}: {e}")
         prof = self.profiler
         writer = prof is not None and bool(prof.is_writer)
         run_dir = self.finish(T.STATUS_INCOMPLETE, reason)

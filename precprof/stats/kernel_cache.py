@@ -30,10 +30,11 @@ import stat
 import subprocess
 import sys
 import tempfile
-import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
+
+from precprof._notice import notice
 
 try:
     import fcntl
@@ -120,8 +121,9 @@ def cache_dir() -> Path:
     d = default_dir()
     try:
         d.mkdir(mode=0o700, parents=True, exist_ok=True)
-    except OSError as e:
-        why: str | None = f"cannot be created ({e.strerror})"
+    except OSError as e:  # a file there "is not a directory", as precprof env says, not "File exists"
+        there = os.path.lexists(d) and unsafe_reason(d, directory=True)
+        why: str | None = there or f"cannot be created ({e.strerror})"
     else:
         why = unsafe_reason(d, directory=True) or _parent_reason(d)
     if why is None:
@@ -132,11 +134,11 @@ def cache_dir() -> Path:
         _fallback = Path(tempfile.mkdtemp(prefix="precprof-kernel-"))
         # private to this process: nothing in it is worth keeping, and a loaded library stays mapped
         atexit.register(shutil.rmtree, _fallback, ignore_errors=True)
-        warnings.warn(
+        # (after the fallback is in place, and never raised: python -W error must not stop the attach here)
+        notice(
             f"precprof: the kernel cache {d} {why}; building in the private folder {_fallback} instead "
             f"(set {_ENV_DIR} to a folder only you can write)",
             RuntimeWarning,
-            stacklevel=3,
         )
     return _fallback
 

@@ -8,7 +8,6 @@ import math
 import os
 import sys
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +20,7 @@ from torch import nn
 
 from precprof import _compat, _signals, footprint, hardware, rundir
 from precprof import tables as T
+from precprof._notice import notice
 from precprof.analysis.throughput import throughput
 from precprof.capture import Profiler
 from precprof.capture.plan import refuse_lazy
@@ -819,5 +819,6 @@ def _save(s: _Setup, prof: Profiler, wall_s: float, steps_done: int, reason: str
     except Exception as err:
         if reason is None:
             raise
-        warnings.warn(f"precprof: could not save the partial run to {s.run_dir}: {err}", stacklevel=2)
+        # (said, never raised: the training's own error goes on)
+        notice(f"precprof: could not save the partial run to {s.run_dir}: {err}")
         return pd.DataFrame()
