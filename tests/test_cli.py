@@ -89,6 +89,23 @@ def test_user_mistakes_exit_2_with_one_line(
     assert_one_line_error(rc, err, *needles)
 
 
+@pytest.mark.parametrize("engine", ["bogus", "triton"])
+def test_an_engine_that_cannot_run_is_refused_before_the_run_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], engine: str
+) -> None:
+    """``PRECPROF_STATS_ENGINE=bogus`` (or triton on a CPU, outside Triton's interpreter) was said in one line, but
+    at attach, after the run directory was made: a 0-step incomplete run stayed there and refused the corrected
+    rerun without --overwrite. Refused before anything is written."""
+    monkeypatch.setenv("PRECPROF_STATS_ENGINE", engine)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    out = tmp_path / "run"
+    rc, _, err = run_main(["train", *TINY, "--out", str(out)], capsys)
+    assert_one_line_error(
+        rc, err, f"PRECPROF_STATS_ENGINE={engine!r}" if engine == "bogus" else "TRITON_INTERPRET=1"
+    )
+    assert not out.exists()
+
+
 def test_factory_that_raises(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     f = tmp_path / "fac.py"
     f.write_text(FACTORY)

@@ -294,8 +294,17 @@ def test_engine_choice_and_errors(monkeypatch: pytest.MonkeyPatch) -> None:
         engine_mod.resolve_engine(None, torch.device("cuda"))
     monkeypatch.setenv("PRECPROF_STATS_ENGINE", "triton")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    with pytest.raises(UserError, match="TRITON_INTERPRET=1"):
+    with pytest.raises(UserError, match="TRITON_INTERPRET=1") as said:
         engine_mod.resolve_engine(None, cpu)
+    assert "pip install" not in str(said.value)  # (triton is there: the interpreter is the one fix)
+    # without triton: both fixes in one line (it said TRITON_INTERPRET=1, and then that triton does not import)
+    monkeypatch.setattr(engine_mod, "_triton_there", lambda: False)
+    with pytest.raises(UserError) as said:
+        engine_mod.resolve_engine(None, cpu)
+    assert "triton is not installed (pip install triton), and Triton runs on CPU tensors only in its " in str(
+        said.value
+    )
+    assert str(said.value).endswith("interpreter (TRITON_INTERPRET=1); use auto or torch")
     monkeypatch.setenv("PRECPROF_STATS_ENGINE", "auto")
     status = engine_mod.engine_status()
     assert status["requested"] == "auto" and status["cpu"] in ("c", "torch")

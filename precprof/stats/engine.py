@@ -8,6 +8,7 @@ silent substitute. ``precprof env`` and summary.json's capture block say which e
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from typing import Any
 
@@ -60,9 +61,21 @@ def resolve_engine(requested: str | None, device: torch.device) -> str:
             )
     if want == "triton":
         why = triton_engine.unavailable(device)
+        if (
+            why is not None
+            and device.type == "cpu"
+            and not triton_engine.interpreting()
+            and not _triton_there()
+        ):
+            why = f"triton is not installed (pip install triton), and {why}"  # both fixes, not one after the other
         if why is not None:
             raise UserError(f"{ENGINE_ENV}=triton cannot run on {device}: {why}; use auto or torch")
     return want
+
+
+def _triton_there() -> bool:
+    """Whether a triton package is installed (found, not imported: importing it fixes its interpreter mode)."""
+    return importlib.util.find_spec("triton") is not None
 
 
 def _default_kernel_threads() -> int:

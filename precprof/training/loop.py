@@ -30,6 +30,7 @@ from precprof.errors import UserError
 from precprof.models import BUILTIN_MODELS, BuiltModel, build_model, vocabulary_note
 from precprof.models.hf import cast_as_loaded
 from precprof.modes import FP16_MODES, resolve_loss_scale
+from precprof.stats import engine as stats_engine
 from precprof.training import compiling, contract, failure, progress, torch_log
 from precprof.training import distributed as launch
 from precprof.training.config import (
@@ -354,6 +355,10 @@ def _prepare(config: TrainConfig, profiler_kwargs: dict[str, Any] | None) -> _Se
     device = dist_info.device if dist_info is not None else resolve_device(config.device)
     hw = hardware.detect(device)
     plan = plan_precision(config.precision, device, hw)
+    # a forced engine that cannot run here is refused before the run directory is made (refused at attach, it left
+    # a 0-step run there that blocked the corrected rerun)
+    if stats_engine.requested_engine() != "auto":
+        stats_engine.resolve_engine(None, device)
     loss_kind, static_scale = resolve_loss_scale(config.loss_scale, config.precision)
     compiled = compiling.should_compile(config.compile, config.precision)
     if compiled:
