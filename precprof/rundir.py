@@ -23,6 +23,7 @@ import errno
 import os
 import re
 import shutil
+import sys
 import tempfile
 import warnings
 from dataclasses import dataclass, field
@@ -163,8 +164,9 @@ def shown(path: str | os.PathLike[str]) -> str:
 
 def check_name(path: str | os.PathLike[str], option: str = "--out") -> Path:
     """Refuse, with a one-line RunDirError, a name no run directory should have: empty (it would be the
-    current directory), blank, or not UTF-8 (Arrow cannot open such a path, and the name goes into the
-    summary and the report). Returns it as a Path; touches nothing."""
+    current directory), blank, not UTF-8 (Arrow cannot open such a path, and the name goes into the summary and
+    the report), or not ASCII where Python's file names are not UTF-8 (``LC_ALL=C PYTHONUTF8=0``: Arrow cannot
+    open it either). Returns it as a Path; touches nothing."""
     raw = os.fsdecode(os.fspath(path))
     if raw == "":
         example = f"{option} runs/mine" if option.startswith("--") else f'{option}="runs/mine"'
@@ -172,13 +174,36 @@ def check_name(path: str | os.PathLike[str], option: str = "--out") -> Path:
     if not raw.strip():
         raise RunDirError(f"{option} {raw!r} is blank; give the directory to write the run to")
     try:
-        os.fsencode(raw).decode("utf-8")
+        encoded = os.fsencode(raw)
+    except (
+        UnicodeEncodeError
+    ):  # "runs/résumé" given as a str where file names are ASCII: Python cannot make it
+        raise RunDirError(_not_ascii(raw, option)) from None
+    try:
+        encoded.decode("utf-8")
     except UnicodeDecodeError:
         raise RunDirError(
             f"{option} {shown(raw)!r}: the name is not valid UTF-8 (the tables cannot be written under it); "
             f"choose another {option}"
         ) from None
+    try:
+        raw.encode("utf-8")
+    except (
+        UnicodeEncodeError
+    ):  # UTF-8 bytes read as surrogates (--out in an ASCII locale): Arrow refuses those
+        raise RunDirError(_not_ascii(encoded.decode("utf-8"), option)) from None
     return Path(raw)
+
+
+def _not_ascii(name: str, option: str) -> str:
+    """The one line refusing a non-ASCII name where Python's file names are not UTF-8 (a C or POSIX locale with
+    UTF-8 mode off, ``LC_ALL=C PYTHONUTF8=0``): Arrow, which writes the tables, cannot open it (training ran,
+    then the save failed and nothing of the run was kept)."""
+    return (  # (the name as ascii() writes it: the message prints where the locale is ASCII)
+        f"{option} {name!a}: the name is not ASCII, and this Python's file names are "
+        f"{sys.getfilesystemencoding()} (an ASCII locale with UTF-8 mode off), so the tables cannot be written "
+        f"under it; choose an ASCII name, or run with PYTHONUTF8=1 (Python's UTF-8 mode)"
+    )
 
 
 def check_target(

@@ -121,6 +121,43 @@ def test_out_names_that_cannot_hold_a_run_are_refused_before_training(
         assert list(tmp_path.iterdir()) == []  # nothing created, here or under the name
 
 
+_ASCII_LOCALE_NAMES = """
+import os, sys
+from precprof import rundir
+assert sys.getfilesystemencoding() == "ascii", sys.getfilesystemencoding()
+for name, option in (("runs/r\\xe9sum\\xe9", "out"), (os.fsdecode("runs/r\\xe9sum\\xe9".encode()), "--out")):
+    try:
+        rundir.check_name(name, option)
+    except rundir.RunDirError as e:
+        print(e)
+    else:
+        print("accepted", ascii(name))
+print("ascii", rundir.check_name("runs/resume"), os.listdir("."))
+"""
+
+
+def test_a_non_ascii_out_where_file_names_are_ascii_is_refused_before_training(tmp_path: Path) -> None:
+    """``LC_ALL=C PYTHONUTF8=0`` and ``--out runs/résumé``: the name passed the check (its surrogates round-trip
+    to UTF-8), training ran, and Arrow refused the name at the save: a traceback, the stream empty, nothing of
+    the run kept; ``Profiler(out="runs/résumé")`` was a raw UnicodeEncodeError from the check itself. Both are one
+    line before anything is written, printable in that locale, naming both fixes."""
+    env = {**os.environ, "LC_ALL": "C", "LANG": "C", "PYTHONUTF8": "0", "PYTHONIOENCODING": ""}
+    root = str(Path(precprof.__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    done = subprocess.run(
+        [sys.executable, "-c", _ASCII_LOCALE_NAMES], env=env, cwd=tmp_path, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert len(lines) == 3, done.stdout
+    for line, option in zip(lines, ("out", "--out"), strict=False):
+        assert line.startswith(
+            f"{option} 'runs/r\\xe9sum\\xe9': the name is not ASCII, and this Python's file "
+        ), line
+        assert line.endswith("; choose an ASCII name, or run with PYTHONUTF8=1 (Python's UTF-8 mode)"), line
+    assert lines[2] == "ascii runs/resume []"  # an ASCII name passes; nothing was made
+
+
 def test_a_data_file_whose_name_is_not_utf_8_trains_and_reports(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
