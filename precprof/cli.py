@@ -338,8 +338,9 @@ def env(
         doc["usual_format"] = {"format": fmt, "reason": why}
         typer.echo(json.dumps(doc, indent=2, default=str))
     else:
-        typer.echo(hardware.env_report(info))
+        # first: it builds the kernel, and the report's cache line then says the state after the build
         engine = st.engine_status()
+        typer.echo(hardware.env_report(info))
         if "error" in engine:
             typer.echo(f"statistics engine: {engine['error']}")
             return

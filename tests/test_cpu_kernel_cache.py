@@ -398,6 +398,8 @@ def test_env_says_whether_the_kernel_is_in_use(fresh: Path, capsys: pytest.Captu
     if engine["cpu"] == "c":
         assert f"{engine['path']}, threads: " in out
         assert str(engine["path"]).startswith(str(fresh))
+        # (it said "not created yet" of the folder it had just built the kernel in)
+        assert f"CPU kernel cache: {fresh} (private to this user)" in out
     else:
         assert str(engine["reason"]) in out
         assert not kernel_required(), engine["reason"]
@@ -435,6 +437,18 @@ def test_env_says_when_the_cache_folder_is_refused(fresh: Path, capsys: pytest.C
     if engine["cpu"] == "c":
         assert "writable by other users" in str(engine["cache_refused"])
         assert not str(engine["path"]).startswith(str(fresh))
+
+
+def test_a_relative_xdg_cache_home_is_ignored(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """``XDG_CACHE_HOME=relcache`` (or a literal ``~/x``) made a kernel cache, and a build, in each working folder;
+    the XDG spec says to ignore a relative value."""
+    monkeypatch.delenv("PRECPROF_CACHE_DIR", raising=False)
+    monkeypatch.setattr(sys, "platform", "linux")
+    for relative in ("relcache", "~/tilde"):
+        monkeypatch.setenv("XDG_CACHE_HOME", relative)
+        assert _kernel_cache.default_dir() == Path.home() / ".cache" / "precprof"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert _kernel_cache.default_dir() == tmp_path / "precprof"
 
 
 def test_env_before_the_cache_exists(fresh: Path) -> None:

@@ -59,7 +59,10 @@ def default_dir() -> Path:
         return Path(os.environ[_ENV_DIR])
     if sys.platform == "darwin":
         return Path.home() / "Library" / "Caches" / "precprof"
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    base = os.environ.get("XDG_CACHE_HOME", "")
+    # unset, or relative (the XDG spec says to ignore it: it made a cache, and a build, per working folder)
+    if not os.path.isabs(base):
+        base = str(Path.home() / ".cache")
     return Path(base) / "precprof"
 
 
