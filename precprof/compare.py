@@ -254,7 +254,7 @@ def compare_runs(
     summaries = [T.read_summary(d) for d in dirs]
     # a run without summary.json records no model: it is not "a model" other than the rest (the note says)
     models = [_model_of(s) for s in summaries if s]
-    if len(set(models)) > 1:
+    if _different_models(models):
         raise UserError(
             "these runs trained different models ("
             + "; ".join(dict.fromkeys(models))
@@ -352,6 +352,14 @@ def _precision_of(summary: dict[str, Any]) -> str:
     cfg = summary.get(T.SUMMARY_CONFIG) or {}
     capture = summary.get(T.SUMMARY_CAPTURE) or {}
     return str(cfg.get("precision") or capture.get("precision_seen") or "run").lower()
+
+
+def _different_models(models: Sequence[str]) -> bool:
+    """Whether runs' models (``_model_of``) differ: in class, or in size where two runs record it (a run cut off
+    before it saved may record its model's class alone: not another model for that)."""
+    names = {m.split(" of ")[0] for m in models}
+    sizes = {m for m in models if " of " in m}
+    return len(names) > 1 or len(sizes) > 1
 
 
 def _model_of(summary: dict[str, Any]) -> str:

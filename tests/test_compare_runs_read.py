@@ -450,3 +450,47 @@ def test_compare_json_leaves_each_runs_block_figures_per_layer_in_its_summary(
             k: v for k, v in own["block_what_if"].items() if k != "layers"
         }
         assert run["recommendation"]["findings"] == own["findings"]
+
+
+STOPPED = textwrap.dedent(
+    """
+    import contextlib, sys, torch, precprof
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    fail_at = int(sys.argv[2])
+    prof = precprof.Profiler(model, optimizer=opt, out=sys.argv[1], sample_every=1)
+    with contextlib.suppress(ValueError), prof:
+        for step in range(4):
+            loss = model(torch.randn(4, 8)).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            prof.step(loss=loss)
+            if step == fail_at:
+                raise ValueError("a bug in the loop")
+    if fail_at < 0:
+        prof.save()
+    """
+)
+
+
+def test_a_run_an_exception_stopped_reads_with_its_cause(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ``with Profiler(out=...)`` block that raised writes its cause into summary.json (``capture.unsaved``);
+    compare read every run with only its stream as killed ("cut off after step 2: killed before it saved its
+    tables"), though the run said why it stopped; and it took the stopped run, whose summary records its model's
+    class and not its size, for another model than the saved run's ("these runs trained different models")."""
+    monkeypatch.setattr(sys, "argv", ["-c", str(tmp_path / "fp32"), "-1"])
+    exec(STOPPED, {"__name__": "saved_run"})  # saved here: its lock is released
+    # stopped in a process of its own, which ends: no one holds its run
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), *sys.path])}
+    res = forks.run([sys.executable, "-c", STOPPED, str(tmp_path / "stopped"), "2"], env=env)
+    assert res.returncode == 0
+    comp, _ = C.compare_runs([tmp_path / "fp32", tmp_path / "stopped"], out=tmp_path / "cmp")
+    (stopped,) = [r for r in comp.runs if r.status == T.STATUS_INCOMPLETE]
+    assert stopped.reason is not None and stopped.reason.startswith(
+        "cut off after step 2: ValueError: a bug in"
+    )
+    assert "killed" not in stopped.reason and stopped.stopped == "stopped after 3 steps: ValueError"

@@ -256,6 +256,11 @@ def _status(summary: Mapping[str, Any], read: T.RunTables, live: bool) -> tuple[
         where = (
             f"after step {read.last_step}" if read.last_step is not None else "before any step was flushed"
         )
+        said = summary.get(T.SUMMARY_INCOMPLETE_REASON) if summary else None
+        if isinstance(said, str) and said and not said.startswith("running ("):
+            # the cause the process wrote before it ended (an exception in a with block, one that ended the
+            # script: ``capture.unsaved``), not a kill
+            return T.STATUS_INCOMPLETE, f"cut off {where}: {said}"
         return T.STATUS_INCOMPLETE, (
             f"cut off {where}: killed before it saved its tables, which are read from the parts it wrote while "
             "training"
@@ -409,13 +414,19 @@ def _stopped(
     status: str, reason: str | None, read: T.RunTables, done: int, planned: Any, summary: Mapping[str, Any]
 ) -> str:
     """How a run that did not finish stopped, in a few words ("" for one that did): after how many of its
-    planned steps, and why (its summary's cause up to its first colon, "killed" for a run that never saved).
+    planned steps, and why (its summary's cause up to its first colon, "killed" for a run that never saved and
+    whose process wrote no cause).
     A run whose training ran to its end and only lost files (a full disk: its report.html was not written) did
     not stop: its loss is the loss it ends at."""
     finished = summary.get(T.SUMMARY_TRAINING_FINISHED) is True and not read.streamed
     if status not in (T.STATUS_INCOMPLETE, "running") or finished:
         return ""
-    why = "killed" if read.streamed and status != "running" else re.split(r"[:;]", reason or "")[0].strip()
+    if read.streamed and status != "running":  # never saved: killed, unless the process wrote why it stopped
+        said = summary.get(T.SUMMARY_INCOMPLETE_REASON)
+        cause = said if isinstance(said, str) and said and not said.startswith("running (") else None
+        why = re.split(r"[:;]", cause)[0].strip() if cause else "killed"
+    else:
+        why = re.split(r"[:;]", reason or "")[0].strip()
     of = f" of {planned:,}" if isinstance(planned, int) and planned > done else ""
     many = planned if of else done  # "after 1 of 3 steps", "after 1 step"
     return f"stopped after {done:,}{of} step{'s' if many != 1 else ''}" + (f": {why}" if why else "")
