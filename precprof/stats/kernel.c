@@ -1,4 +1,10 @@
-/* precprof one-pass CPU statistics kernel (v4: the row layout is passed in; pp_add reads and merges in one call). Plain C (OpenMP when available), no torch headers. */
+/* precprof one-pass CPU statistics kernel (v4: the row layout is passed in; pp_add reads and merges in one call). Plain C (OpenMP when available), no torch headers.
+
+   The thread's floating-point mode is the caller's: torch.set_flush_denormal(True) sets x86's MXCSR FTZ and DAZ
+   (ARM: FPCR.FZ), under which a float conversion or compare reads a subnormal as 0. The statistics (pp_call,
+   pp_add, ...) therefore use no float arithmetic at all: every value is classified from its bits, widened to
+   fp64 bits by integer operations. The what-ifs whose definition is float arithmetic (pp_block, pp_upd_classify)
+   run in IEEE mode (fp_ieee_enter / fp_ieee_leave), set and restored on every thread that computes. */
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
@@ -12,6 +18,57 @@
 #define NO_MIN_BITS 0x7FFFFFFFFFFFFFFFLL
 #define MANT64 ((1ULL << 52) - 1)
 #define INF64 0x7FF0000000000000ULL
+#define NOINLINE __attribute__((noinline))
+
+/* IEEE mode for the arithmetic of the what-ifs: subnormals neither read as 0 nor flushed, round to nearest.
+   fp_ieee_enter saves the thread's mode and clears what departs from IEEE (x86 MXCSR: FTZ, DAZ and the
+   rounding control; AArch64 FPCR: FZ, FZ16, the rounding mode, and FEAT_AFP's FIZ and AH), writing only when
+   something was set; fp_ieee_leave puts the saved mode back. Each thread that computes enters it (an OpenMP
+   worker keeps the mode it had, whatever the caller's), and the arithmetic runs in a NOINLINE function
+   called in between, which the compiler cannot move across the mode switch. */
+#if defined(__x86_64__) || (defined(__i386__) && defined(__SSE__))
+typedef uint32_t fpmode_t;
+#define FP_NOT_IEEE 0xE040u
+#define FP_FLAGS 0x3Fu /* the sticky exception flags, which any arithmetic sets: not part of the mode */
+static inline fpmode_t fp_ieee_enter(void) {
+    uint32_t m;
+    __asm__ __volatile__("stmxcsr %0" : "=m"(m) : : "memory");
+    if (m & FP_NOT_IEEE) {
+        uint32_t c = m & ~FP_NOT_IEEE;
+        __asm__ __volatile__("ldmxcsr %0" : : "m"(c) : "memory");
+    }
+    return m;
+}
+static inline void fp_ieee_leave(fpmode_t m) {
+    if (m & FP_NOT_IEEE) __asm__ __volatile__("ldmxcsr %0" : : "m"(m) : "memory");
+}
+#elif defined(__aarch64__)
+typedef uint64_t fpmode_t;
+#define FP_NOT_IEEE ((1ULL << 24) | (1ULL << 19) | (3ULL << 22) | 3ULL)
+#define FP_FLAGS 0 /* in FPSR */
+static inline fpmode_t fp_ieee_enter(void) {
+    uint64_t m;
+    __asm__ __volatile__("mrs %0, fpcr" : "=r"(m) : : "memory");
+    if (m & FP_NOT_IEEE) __asm__ __volatile__("msr fpcr, %0" : : "r"(m & ~FP_NOT_IEEE) : "memory");
+    return m;
+}
+static inline void fp_ieee_leave(fpmode_t m) {
+    if (m & FP_NOT_IEEE) __asm__ __volatile__("msr fpcr, %0" : : "r"(m) : "memory");
+}
+#else /* no flush-to-zero mode this kernel knows of */
+typedef int fpmode_t;
+#define FP_FLAGS 0
+static inline fpmode_t fp_ieee_enter(void) { return 0; }
+static inline void fp_ieee_leave(fpmode_t m) { (void)m; }
+#endif
+
+/* the calling thread's mode, as fp_ieee_enter saves it, without the exception flags: for tests (the kernel
+   leaves it as it found it) */
+int64_t pp_fpmode(void) {
+    fpmode_t m = fp_ieee_enter();
+    fp_ieee_leave(m);
+    return (int64_t)(m & ~(fpmode_t)FP_FLAGS);
+}
 
 /* The row layout and the formats' constants, passed in by precprof.stats.layout.RowLayout.c_config():
    column offsets, then the overflow shortcut (no value below it overflows any format) as fp64, fp32, bf16
@@ -23,15 +80,13 @@ typedef struct {
     uint64_t big64;
     uint32_t big32;
     uint16_t big_bf16, big_f16;
-    double t[MAXF];  /* overflow thresholds, what-if order */
+    uint64_t t[MAXF];  /* overflow thresholds as fp64 bits (positive: ordered as their values), what-if order */
     int inc[MAXF];   /* 1: v >= t counts, 0: v > t */
     int uf_exp[MAXF]; /* underflow_max = 2^uf_exp */
-    double fp8_max[MAXF];
+    uint64_t fp8_max[MAXF]; /* fp64 bits */
     int fp8_uf_exp[MAXF];
     int fp8_k_cap[MAXF]; /* the largest scale exponent: torchao's amax floor (formats.FP8_AMAX_FLOOR) */
 } cfg_t;
-
-static inline double bits_to_double(uint64_t b) { double d; memcpy(&d, &b, 8); return d; }
 
 static int read_cfg(const int64_t* c, cfg_t* cfg) {
     cfg->numel = c[0]; cfg->zeros = c[1]; cfg->nan = c[2]; cfg->inf = c[3]; cfg->overflow = c[4];
@@ -48,10 +103,10 @@ static int read_cfg(const int64_t* c, cfg_t* cfg) {
     cfg->big_f16 = (uint16_t)c[18];
     const int64_t* f = c + 19;
     for (int j = 0; j < cfg->nw; j++, f += 3) {
-        cfg->t[j] = bits_to_double((uint64_t)f[0]); cfg->inc[j] = (int)f[1]; cfg->uf_exp[j] = (int)f[2];
+        cfg->t[j] = (uint64_t)f[0]; cfg->inc[j] = (int)f[1]; cfg->uf_exp[j] = (int)f[2];
     }
     for (int j = 0; j < cfg->nf; j++, f += 3) {
-        cfg->fp8_max[j] = bits_to_double((uint64_t)f[0]); cfg->fp8_uf_exp[j] = (int)f[1];
+        cfg->fp8_max[j] = (uint64_t)f[0]; cfg->fp8_uf_exp[j] = (int)f[1];
         cfg->fp8_k_cap[j] = (int)f[2];
     }
     return 1;
@@ -67,30 +122,31 @@ typedef struct {
 static uint16_t TAB_BF16[32768], TAB_F16[32768]; /* |x| bit pattern -> key */
 static uint16_t TAB_F32[512];                      /* (exponent << 1 | mantissa == 0) of normal fp32 -> key */
 
-static inline double f16_to_double(uint16_t h) {
-    uint32_t exp = (h >> 10) & 0x1F, man = h & 0x3FF;
-    double v;
-    if (exp == 0) v = (double)man * (1.0 / 16777216.0);
-    else if (exp == 31) v = man ? __builtin_nan("") : __builtin_inf();
-    else v = (double)(man | 0x400) * ldexp(1.0, (int)exp - 25);
-    return (h >> 15) ? -v : v;
+/* The fp64 bits of |x| for a binary float's |x| bit pattern u (exponent field above mb mantissa bits, bias
+   `bias`), by integer operations alone (the thread's FTZ/DAZ mode never touches them): a subnormal is
+   normalised from its leading one, inf and nan keep their field (a nan its nonzero mantissa). */
+static inline uint64_t widen_bits(uint32_t u, int mb, int bias, uint32_t field_max) {
+    uint32_t e = u >> mb, m = u & ((1u << mb) - 1);
+    if (e == field_max) return INF64 | ((uint64_t)m << (52 - mb));
+    if (e) return ((uint64_t)(e - bias + F64_BIAS) << 52) | ((uint64_t)m << (52 - mb));
+    if (!m) return 0;
+    int p = 31 - __builtin_clz(m); /* |x| = m * 2^(1 - bias - mb) = 2^(p + 1 - bias - mb) * (m / 2^p) */
+    return ((uint64_t)(p + 1 - bias - mb + F64_BIAS) << 52) | (((uint64_t)m << (52 - p)) & MANT64);
 }
-static inline double bf16_to_double(uint16_t h) {
-    uint32_t b = ((uint32_t)h) << 16; float f; memcpy(&f, &b, 4); return (double)f;
-}
-static inline double u32_to_double(uint32_t u) { float f; memcpy(&f, &u, 4); return (double)f; }
-static inline uint64_t dbits(double d) { uint64_t b; memcpy(&b, &d, 8); return b & ~(1ULL << 63); }
+static inline uint64_t f32_bits64(uint32_t u) { return widen_bits(u & 0x7FFFFFFFu, 23, 127, 0xFF); }
+static inline uint64_t bf16_bits64(uint16_t h) { return f32_bits64((uint32_t)h << 16); }
+static inline uint64_t f16_bits64(uint16_t h) { return widen_bits(h & 0x7FFFu, 10, 15, 0x1F); }
 static inline int key_of_bits(uint64_t b) { return (int)(((b >> 52) << 1) | ((b & MANT64) == 0)); }
 
 void pp_init(void) {
     for (uint32_t h = 0; h < 32768; h++) {
-        TAB_BF16[h] = (uint16_t)key_of_bits(dbits(bf16_to_double((uint16_t)h)));
-        TAB_F16[h] = (uint16_t)key_of_bits(dbits(f16_to_double((uint16_t)h)));
+        TAB_BF16[h] = (uint16_t)key_of_bits(bf16_bits64((uint16_t)h));
+        TAB_F16[h] = (uint16_t)key_of_bits(f16_bits64((uint16_t)h));
     }
     for (uint32_t i = 0; i < 512; i++) {
         uint32_t e = i >> 1, mz = i & 1;
         /* e == 0 with mz == 0 is a subnormal: never counted through this table */
-        TAB_F32[i] = (uint16_t)(e == 0 ? (mz ? 1 : 0) : key_of_bits(dbits(u32_to_double((e << 23) | (mz ? 0 : 1)))));
+        TAB_F32[i] = (uint16_t)(e == 0 ? (mz ? 1 : 0) : key_of_bits(f32_bits64((e << 23) | (mz ? 0 : 1))));
     }
 }
 
@@ -103,24 +159,24 @@ int pp_openmp(void) {
 }
 
 
-/* the reference per-value update, for the rare paths: fp64 bits b of |x|, weight c */
+/* the overflow counts of one value, given as the fp64 bits b of |x| (not a nan: b <= INF64); non-negative
+   doubles are ordered as their bits */
+static inline void overflow_of(acc_t* a, uint64_t b, const cfg_t* cfg) {
+    for (int j = 0; j < cfg->nw; j++) a->ov[j] += cfg->inc[j] ? (b >= cfg->t[j]) : (b > cfg->t[j]);
+}
+/* the reference per-value update, for the rare paths: fp64 bits b of |x| */
 static inline void add_bits(acc_t* a, uint64_t b, const cfg_t* cfg) {
     a->keys[key_of_bits(b)]++;
-    if (b >= cfg->big64) {
-        double v; memcpy(&v, &b, 8);
-        for (int j = 0; j < cfg->nw; j++) a->ov[j] += cfg->inc[j] ? (v >= cfg->t[j]) : (v > cfg->t[j]);
-    }
+    if (b >= cfg->big64 && b <= INF64) overflow_of(a, b, cfg);
     if (b < INF64) {
         if (b > a->mx) a->mx = b;
         if (b && b < a->mn) a->mn = b;
     }
 }
-static inline void overflow_of(acc_t* a, double v, const cfg_t* cfg) {
-    for (int j = 0; j < cfg->nw; j++) a->ov[j] += cfg->inc[j] ? (v >= cfg->t[j]) : (v > cfg->t[j]);
-}
-static inline void extremes(acc_t* a, double vmax, double vmin_nz, int have_max, int have_min) {
-    if (have_max) { uint64_t b = dbits(vmax); if (b > a->mx) a->mx = b; }
-    if (have_min) { uint64_t b = dbits(vmin_nz); if (b < a->mn) a->mn = b; }
+/* a block's largest finite and smallest nonzero |x|, as fp64 bits */
+static inline void extremes(acc_t* a, uint64_t bmax, uint64_t bmin_nz, int have_max, int have_min) {
+    if (have_max && bmax > a->mx) a->mx = bmax;
+    if (have_min && bmin_nz < a->mn) a->mn = bmin_nz;
 }
 
 /* one block of fp32 values whose largest |x| pattern is rawmax: its largest finite value (a second pass only
@@ -137,7 +193,7 @@ static inline uint32_t rare_f32(const uint32_t* q, int64_t m, uint32_t rawmax, a
     if (__builtin_expect(rawmax >= cfg->big32, 0)) {
         for (int64_t i = 0; i < m; i++) {
             uint32_t u = q[i] & 0x7FFFFFFFu;
-            if (u >= cfg->big32 && u <= 0x7F800000u) overflow_of(a, u32_to_double(u), cfg);
+            if (u >= cfg->big32 && u <= 0x7F800000u) overflow_of(a, f32_bits64(u), cfg);
         }
     }
     return fmax;
@@ -150,11 +206,11 @@ static void run_f32_small(const uint32_t* q, int64_t m, acc_t* a, const cfg_t* c
         uint32_t u = q[i] & 0x7FFFFFFFu, v = u - 1;
         rawmax = u > rawmax ? u : rawmax;
         vmin = v < vmin ? v : vmin;
-        if (__builtin_expect(u != 0 && u < 0x00800000u, 0)) a->keys[key_of_bits(dbits(u32_to_double(u)))]++;
+        if (__builtin_expect(u != 0 && u < 0x00800000u, 0)) a->keys[key_of_bits(f32_bits64(u))]++;
         else a->keys[TAB_F32[((u >> 22) & 0x1FEu) | ((u & 0x7FFFFFu) == 0)]]++;
     }
     uint32_t fmax = rare_f32(q, m, rawmax, a, cfg);
-    extremes(a, u32_to_double(fmax), u32_to_double(vmin + 1), fmax != 0, vmin < 0x7F7FFFFFu);
+    extremes(a, f32_bits64(fmax), f32_bits64(vmin + 1), fmax != 0, vmin < 0x7F7FFFFFu);
 }
 
 /* contiguous fp32. Per block of BLOCK values: vectorisable single-reduction passes (largest |x|, smallest
@@ -189,7 +245,7 @@ static void run_f32(const uint32_t* p, int64_t n, acc_t* a, const cfg_t* cfg) {
         if (__builtin_expect(vmin < 0x007FFFFFu, 0)) { /* a subnormal: the exact key of every element */
             for (int64_t i = 0; i < m; i++) {
                 uint32_t u = q[i] & 0x7FFFFFFFu;
-                if (u != 0 && u < 0x00800000u) a->keys[key_of_bits(dbits(u32_to_double(u)))]++;
+                if (u != 0 && u < 0x00800000u) a->keys[key_of_bits(f32_bits64(u))]++;
                 else sub9[0][((u >> 22) & 0x1FEu) | ((u & 0x7FFFFFu) == 0)]++;
             }
         } else if (pmin == 0) {
@@ -214,7 +270,7 @@ static void run_f32(const uint32_t* p, int64_t n, acc_t* a, const cfg_t* cfg) {
             }
             for (; i < m; i++) sub[0][(q[i] >> 23) & 0xFF]++;
         }
-        extremes(a, u32_to_double(fmax), u32_to_double(vmin + 1), fmax != 0, vmin < 0x7F7FFFFFu);
+        extremes(a, f32_bits64(fmax), f32_bits64(vmin + 1), fmax != 0, vmin < 0x7F7FFFFFu);
         since += m;
         if (since >= (1LL << 30) || s + BLOCK >= n) {
             /* in these blocks: exponent 0 is only zero (no subnormals), 255 only nan (no inf), and no
@@ -237,7 +293,7 @@ static void run_f32(const uint32_t* p, int64_t n, acc_t* a, const cfg_t* cfg) {
 /* one block of 16-bit values whose largest |x| pattern is rawmax: its largest finite value (a second pass only
    when inf or nan is there) and its overflow counts (a pass only when a value reaches the shortcut) */
 static inline uint16_t rare_16(const uint16_t* q, int64_t m, uint16_t rawmax, acc_t* a, const cfg_t* cfg,
-                               uint16_t inf16, uint16_t big16, double (*widen)(uint16_t)) {
+                               uint16_t inf16, uint16_t big16, uint64_t (*widen)(uint16_t)) {
     uint16_t fmax = rawmax;
     if (__builtin_expect(rawmax >= inf16, 0)) {
         fmax = 0;
@@ -257,7 +313,7 @@ static inline uint16_t rare_16(const uint16_t* q, int64_t m, uint16_t rawmax, ac
 
 /* contiguous bf16 / fp16: the key of every 15-bit magnitude comes from a table */
 static void run_16(const uint16_t* p, int64_t n, acc_t* a, const cfg_t* cfg, const uint16_t* tab,
-                   uint16_t inf16, uint16_t big16, double (*widen)(uint16_t)) {
+                   uint16_t inf16, uint16_t big16, uint64_t (*widen)(uint16_t)) {
     /* a small tensor straight into the keys: the sub-histograms' 64 KiB cost more than its values */
     uint32_t (*sub)[NKEYS] = n <= SMALL ? NULL : calloc(4, sizeof(uint32_t[NKEYS]));
     if (n <= SMALL) {
@@ -272,7 +328,7 @@ static void run_16(const uint16_t* p, int64_t n, acc_t* a, const cfg_t* cfg, con
         extremes(a, widen(fmax), widen((uint16_t)(vmin + 1)), fmax != 0, vmin < (uint16_t)(inf16 - 1));
         return;
     }
-    if (!sub) { for (int64_t i = 0; i < n; i++) add_bits(a, dbits(widen(p[i])), cfg); return; }
+    if (!sub) { for (int64_t i = 0; i < n; i++) add_bits(a, widen(p[i] & 0x7FFF), cfg); return; }
     int64_t since = 0;
     for (int64_t s = 0; s < n; s += BLOCK) {
         int64_t m = n - s < BLOCK ? n - s : BLOCK;
@@ -300,10 +356,11 @@ static void run_16(const uint16_t* p, int64_t n, acc_t* a, const cfg_t* cfg, con
     free(sub);
 }
 
-static double ld_f16(const void* d, int64_t i) { return f16_to_double(((const uint16_t*)d)[i]); }
-static double ld_bf16(const void* d, int64_t i) { return bf16_to_double(((const uint16_t*)d)[i]); }
-static double ld_f32(const void* d, int64_t i) { return (double)((const float*)d)[i]; }
-static double ld_f64(const void* d, int64_t i) { return ((const double*)d)[i]; }
+/* the fp64 bits of |x| of element i, from its bits */
+static uint64_t ld_f16(const void* d, int64_t i) { return f16_bits64(((const uint16_t*)d)[i]); }
+static uint64_t ld_bf16(const void* d, int64_t i) { return bf16_bits64(((const uint16_t*)d)[i]); }
+static uint64_t ld_f32(const void* d, int64_t i) { return f32_bits64(((const uint32_t*)d)[i]); }
+static uint64_t ld_f64(const void* d, int64_t i) { return ((const uint64_t*)d)[i] & ~(1ULL << 63); }
 
 typedef struct {
     const void* data;
@@ -323,12 +380,12 @@ static void* run_job(void* arg) {
     a->mn = UINT64_MAX;
     if (j->stride == 1 && j->dtype == 0) run_f32((const uint32_t*)j->data, j->n, a, j->cfg);
     else if (j->stride == 1 && j->dtype == 1)
-        run_16((const uint16_t*)j->data, j->n, a, j->cfg, TAB_BF16, 0x7F80, j->cfg->big_bf16, bf16_to_double);
+        run_16((const uint16_t*)j->data, j->n, a, j->cfg, TAB_BF16, 0x7F80, j->cfg->big_bf16, bf16_bits64);
     else if (j->stride == 1 && j->dtype == 2)
-        run_16((const uint16_t*)j->data, j->n, a, j->cfg, TAB_F16, 0x7C00, j->cfg->big_f16, f16_to_double);
+        run_16((const uint16_t*)j->data, j->n, a, j->cfg, TAB_F16, 0x7C00, j->cfg->big_f16, f16_bits64);
     else {
-        double (*ld)(const void*, int64_t) = j->dtype == 0 ? ld_f32 : j->dtype == 1 ? ld_bf16 : j->dtype == 2 ? ld_f16 : ld_f64;
-        for (int64_t i = 0; i < j->n; i++) add_bits(a, dbits(ld(j->data, i * j->stride)), j->cfg);
+        uint64_t (*ld)(const void*, int64_t) = j->dtype == 0 ? ld_f32 : j->dtype == 1 ? ld_bf16 : j->dtype == 2 ? ld_f16 : ld_f64;
+        for (int64_t i = 0; i < j->n; i++) add_bits(a, ld(j->data, i * j->stride), j->cfg);
     }
     return NULL;
 }
@@ -345,14 +402,24 @@ static int64_t le_pow2(const int64_t* keys, int64_t j, int64_t klo, int64_t khi)
     return s;
 }
 
-static int cs_exponent(double fmax, double amax) { /* the largest k with amax * 2^k <= fmax (exact) */
+/* floor(log2 v) and the 53-bit significand of a positive finite fp64 v given by its bits (a subnormal
+   normalised), by integer operations */
+static inline void f64_parts(uint64_t b, int* e, uint64_t* sig) {
+    int f = (int)(b >> 52);
+    uint64_t m = b & MANT64;
+    if (f) { *e = f - F64_BIAS; *sig = m | (1ULL << 52); return; }
+    int p = 63 - __builtin_clzll(m);
+    *e = p - 1074;
+    *sig = m << (52 - p);
+}
+/* the largest k with amax * 2^k <= fmax (exact; both positive finite, as fp64 bits): their exponents' difference,
+   one less where amax's significand is the larger */
+static int cs_exponent(uint64_t fmax, uint64_t amax) {
     int ef, ea;
-    frexp(fmax, &ef);
-    frexp(amax, &ea);
-    int k = ef - ea;
-    while (ldexp(amax, k) > fmax) k--;
-    while (ldexp(amax, k + 1) <= fmax) k++;
-    return k;
+    uint64_t sf, sa;
+    f64_parts(fmax, &ef, &sf);
+    f64_parts(amax, &ea, &sa);
+    return ef - ea - (sa > sf);
 }
 
 /* Statistics of one tensor call into call[width + 2] (overwritten): a row, then its first and last nonzero
@@ -422,9 +489,8 @@ static int call_stats(const void* data, int64_t n, int64_t stride, int dtype, in
     call[cfg.absmax] = (int64_t)a->mx;
     call[cfg.absmin] = a->mn == UINT64_MAX ? NO_MIN_BITS : (int64_t)(a->mn - 1);
     if (a->mx > 0) {
-        double amax; memcpy(&amax, &a->mx, 8);
         for (int j = 0; j < cfg.nf; j++) {
-            int k = cs_exponent(cfg.fp8_max[j], amax);
+            int k = cs_exponent(cfg.fp8_max[j], a->mx);
             if (k > cfg.fp8_k_cap[j]) k = cfg.fp8_k_cap[j]; /* amax under the floor: the scale stops growing */
             call[cfg.cs + j] = le_pow2(keys, cfg.fp8_uf_exp[j] - k, klo, khi);
         }
@@ -720,7 +786,7 @@ static int load_tile(const bjob_t* j, int64_t t, float* buf, int* valid) {
     return longest;
 }
 
-static void run_tiles(const bjob_t* j, int64_t t0, int64_t t1, bsum_t* out) {
+static NOINLINE void run_tiles(const bjob_t* j, int64_t t0, int64_t t1, bsum_t* out) {
     float buf[BT * BG];
     int valid[BG];
     uint32_t am0[BG], am1[BG];
@@ -790,20 +856,21 @@ static void run_tiles(const bjob_t* j, int64_t t0, int64_t t1, bsum_t* out) {
     }
 }
 
+/* |x| of element i as a bit pattern ordered as the values (nan > inf > finite); an fp16's is its own (the
+   amax pass compares bits, with no float arithmetic) */
 static inline uint32_t absbits_at(const void* d, int dtype, int64_t i) {
     if (dtype == 0) return ((const uint32_t*)d)[i] & 0x7FFFFFFFu;
     uint16_t h = ((const uint16_t*)d)[i] & 0x7FFFu;
-    if (dtype == 1) return (uint32_t)h << 16;
-    return fbits(h2f(h));
+    return dtype == 1 ? (uint32_t)h << 16 : h;
 }
 
 /* Block statistics of a contiguous [rows, last] tensor (dtype 0 fp32, 1 bf16, 2 fp16) for nr recipes (config:
    REC_LEN int64 each) in the orientations of the bit mask orients (1: row, 2: col), into out[2][nr][5]
    (flushed, saturated, poisoned, sum_x2, sum_err2 as doubles; an orientation not asked for is left as it
    is; with bit 4 of orients the statistics are added into out, an accumulator, instead of written).
-   Returns 0, or -1 when out of host memory. */
-int pp_block(const void* data, int64_t rows, int64_t last, int dtype, int orients, int nr, const int64_t* config,
-             int nthreads, double* out) {
+   Returns 0, or -1 when out of host memory. Runs in IEEE mode (pp_block). */
+static NOINLINE int block_stats(const void* data, int64_t rows, int64_t last, int dtype, int orients, int nr,
+                                const int64_t* config, int nthreads, double* out) {
     if (nr < 1 || nr > MAXR) return -2;
     brec_t rec[MAXR];
     int any_nv = 0;
@@ -829,6 +896,7 @@ int pp_block(const void* data, int64_t rows, int64_t last, int dtype, int orient
         } else { /* no parallel region: entering one, even to run it on this thread alone, costs microseconds */
             for (int64_t i = 0; i < n; i++) { uint32_t u = absbits_at(data, dtype, i); amax = u > amax ? u : amax; }
         }
+        if (dtype == 2) amax = fbits(h2f((uint16_t)amax)); /* fp16: as fp32 (inf and nan stay so) */
         job.nvfp4_ok = amax < 0x7F800000u;
         if (amax > 0 && job.nvfp4_ok) {
             job.p = bitsf(amax) / 2688.0f; /* fl(amax / (448 * 6)), at least the smallest fp32 whose */
@@ -848,11 +916,18 @@ int pp_block(const void* data, int64_t rows, int64_t last, int dtype, int orient
         if (nch < 1) memset(one, 0, sizeof(one));
         if (nthreads > 1 && nch > 1) {
 #ifdef _OPENMP
-            #pragma omp parallel for num_threads(nthreads) schedule(static)
+            #pragma omp parallel num_threads(nthreads)
 #endif
-            for (int64_t c = 0; c < nch; c++) {
-                int64_t t0 = c * CHUNK_TILES, t1 = t0 + CHUNK_TILES < tiles ? t0 + CHUNK_TILES : tiles;
-                run_tiles(&job, t0, t1, part + c * nr);
+            {
+                fpmode_t fm = fp_ieee_enter(); /* this worker's own mode: IEEE while it computes */
+#ifdef _OPENMP
+                #pragma omp for schedule(static)
+#endif
+                for (int64_t c = 0; c < nch; c++) {
+                    int64_t t0 = c * CHUNK_TILES, t1 = t0 + CHUNK_TILES < tiles ? t0 + CHUNK_TILES : tiles;
+                    run_tiles(&job, t0, t1, part + c * nr);
+                }
+                fp_ieee_leave(fm);
             }
         } else {
             for (int64_t c = 0; c < nch; c++) {
@@ -880,6 +955,15 @@ int pp_block(const void* data, int64_t rows, int64_t last, int dtype, int orient
         if (part != one) free(part);
     }
     return 0;
+}
+
+/* block_stats in IEEE mode, whatever the caller's (on the calling thread here, on each worker in block_stats) */
+int pp_block(const void* data, int64_t rows, int64_t last, int dtype, int orients, int nr, const int64_t* config,
+             int nthreads, double* out) {
+    fpmode_t fm = fp_ieee_enter();
+    int rc = block_stats(data, rows, last, dtype, orients, nr, config, nthreads, out);
+    fp_ieee_leave(fm);
+    return rc;
 }
 
 /* pp_block with its arguments in an int64 array (data, rows, last, dtype, orients, nr, config, nthreads, out):
@@ -932,8 +1016,9 @@ static inline float upd_f16(float f) {
     return copysignf(q, f);
 }
 
-/* The members' samples, now, in fp32, one after the other into out; returns how many. */
-int64_t pp_upd_gather(int64_t k, const int64_t* ptrs, const int64_t* strides, const int64_t* lens,
+/* The members' samples, now, in fp32, one after the other into out; returns how many. In IEEE mode (pp_upd_gather):
+   an fp16 subnormal is widened by a multiplication. */
+static NOINLINE int64_t upd_gather(int64_t k, const int64_t* ptrs, const int64_t* strides, const int64_t* lens,
                       const int64_t* dtypes, float* out) {
     int64_t j = 0;
     for (int64_t m = 0; m < k; m++) {
@@ -956,7 +1041,7 @@ int64_t pp_upd_nonzero(int64_t k, const int64_t* ptrs, const int64_t* strides, c
         if (!base) {
             memset(out + j, 0, (size_t)n);
         } else if (dtypes[m] == 0) {
-            for (int64_t i = 0; i < n; i++) out[j + i] = ((const float*)base)[i * s] != 0.0f;
+            for (int64_t i = 0; i < n; i++) out[j + i] = (((const uint32_t*)base)[i * s] & 0x7FFFFFFFu) != 0;
         } else {
             for (int64_t i = 0; i < n; i++) out[j + i] = (((const uint16_t*)base)[i * s] & 0x7FFFu) != 0;
         }
@@ -969,8 +1054,9 @@ int64_t pp_upd_nonzero(int64_t k, const int64_t* ptrs, const int64_t* strides, c
    intended (pp_upd_nonzero's), added into counts[k][5] (sampled, no update, lost in bf16, lost in fp16, lost
    in the weight as held: intended and not moved) as
    precprof.capture.updates._DeviceGroup.classify counts them. held_bf16: the weights are held in bf16 (an
-   update that did not land then says nothing of fp16). Returns how many elements were read. */
-int64_t pp_upd_classify(int64_t k, const int64_t* ptrs, const int64_t* strides, const int64_t* lens,
+   update that did not land then says nothing of fp16). Returns how many elements were read. In IEEE mode
+   (pp_upd_classify). */
+static NOINLINE int64_t upd_classify(int64_t k, const int64_t* ptrs, const int64_t* strides, const int64_t* lens,
                         const int64_t* dtypes, const float* before, const uint8_t* intended, int held_bf16,
                         int64_t* counts) {
     int64_t j = 0;
@@ -1000,4 +1086,23 @@ int64_t pp_upd_classify(int64_t k, const int64_t* ptrs, const int64_t* strides, 
         counts[5 * m + 4] += held;
     }
     return j;
+}
+
+/* upd_gather and upd_classify in IEEE mode, whatever the caller's: their fp32 arithmetic is the torch path's
+   in IEEE arithmetic (a subnormal delta moved the weight) */
+int64_t pp_upd_gather(int64_t k, const int64_t* ptrs, const int64_t* strides, const int64_t* lens,
+                      const int64_t* dtypes, float* out) {
+    fpmode_t fm = fp_ieee_enter();
+    int64_t r = upd_gather(k, ptrs, strides, lens, dtypes, out);
+    fp_ieee_leave(fm);
+    return r;
+}
+
+int64_t pp_upd_classify(int64_t k, const int64_t* ptrs, const int64_t* strides, const int64_t* lens,
+                        const int64_t* dtypes, const float* before, const uint8_t* intended, int held_bf16,
+                        int64_t* counts) {
+    fpmode_t fm = fp_ieee_enter();
+    int64_t r = upd_classify(k, ptrs, strides, lens, dtypes, before, intended, held_bf16, counts);
+    fp_ieee_leave(fm);
+    return r;
 }

@@ -28,6 +28,12 @@ are identical to the torch-op path's (tests compare both on hand-built and rando
 several thread counts included); when the compiler or the shared library is missing, ``load()`` returns None
 and the torch path runs.
 
+The statistics use no float arithmetic: each value is classified from its bits (fp32, bf16 and fp16 widened to
+fp64 bits by integer operations), so the caller's flush-to-zero mode (``torch.set_flush_denormal(True)``: x86's
+FTZ and DAZ, which read a subnormal as 0 in a float conversion or compare) changes no count. The block-format and
+weight-update what-ifs, float arithmetic by definition, run in IEEE mode, set and restored on every thread that
+computes them, OpenMP workers included; the caller's mode is left as it was.
+
 The library is plain C with no torch headers, so it compiles in well under a second with ``cc``; it is
 built for this CPU (``-march=native``, falling back to generic code) and cached in the per-user folder of
 ``precprof.stats.kernel_cache`` (checked before use, built once across processes, never loaded unless this user
@@ -221,6 +227,8 @@ def load() -> ctypes.CDLL | None:
         lib.pp_upd_nonzero.argtypes = [i64, p, p, p, p, p]
         lib.pp_upd_classify.restype = i64
         lib.pp_upd_classify.argtypes = [i64, p, p, p, p, p, p, i32, p]
+        lib.pp_fpmode.restype = i64
+        lib.pp_fpmode.argtypes = []
         lib.pp_init()
     except (OSError, AttributeError, subprocess.SubprocessError) as e:
         _status.update(in_use=False, reason=f"could not be built or loaded: {e}", **_cache_status())

@@ -37,6 +37,7 @@ from precprof.stats.layout import (
     N_BINS,
     RowLayout,
     f64_bits,
+    f64_value,
 )
 
 # pp_add's context (kernel.c CTX_*): config, call row, merge rule, threads, counts, counts width, window, wlo, w,
@@ -76,6 +77,7 @@ def _many_key(tensors: Sequence[torch.Tensor], rows: Sequence[int]) -> tuple[Any
 
 
 _dtype_of = operator.attrgetter("dtype")
+_INF_BITS = f64_bits(math.inf)
 
 
 def _hist_of_keys(keys2: np.ndarray) -> np.ndarray:
@@ -451,12 +453,12 @@ class HostRows(_rows.Rows):
             return
         chunk = self.chunk if self.chunk and self.chunk > 0 else n
         keys = np.zeros(_N_KEYS, dtype=np.int64)
-        call_max = 0.0
+        call_max = 0  # fp64 bits
         for start in range(0, n, chunk):
-            a, _, key = self._keys_of(flat[start : start + chunk])
+            a, bits, key = self._keys_of(flat[start : start + chunk])
             chunk_keys = torch.bincount(key, minlength=_N_KEYS).numpy()
             keys += chunk_keys
-            call_max = max(call_max, self._extremes(a, counts, chunk_keys))
+            call_max = max(call_max, self._extremes(a, bits, counts, chunk_keys))
         keys2 = keys.reshape(_F64_EXP_ALL + 1, 2)
         counts[lay.numel] += n
         counts[lay.zeros] += keys2[0, 1]
@@ -466,7 +468,7 @@ class HostRows(_rows.Rows):
             counts[lay.pow2_at + i] += keys2[j + _F64_BIAS, 1]
         if call_max > 0:
             for i, fmt in enumerate(lay.fp8):
-                k = formats.current_scaling_exponent(fmt, call_max)
+                k = formats.current_scaling_exponent(fmt, f64_value(call_max))
                 counts[lay.underflow_cs + i] += _count_le_pow2_keys(
                     keys2, int(math.log2(fmt.underflow_max)) - k
                 )
@@ -478,10 +480,13 @@ class HostRows(_rows.Rows):
             self._hist[row, lo - self._wlo : hi + 1 - self._wlo] += hist[lo : hi + 1]
             self._use_bins(lo, hi)
 
-    def _extremes(self, a: torch.Tensor, counts: np.ndarray, keys: np.ndarray) -> float:
+    def _extremes(self, a: torch.Tensor, bits: torch.Tensor, counts: np.ndarray, keys: np.ndarray) -> int:
         """Overflow counts and extremes of one chunk, skipping the passes its key histogram proves needless
         (no value at or above the layout's overflow shortcut: no overflow compare; no zero: a plain min).
-        Returns the chunk's largest finite |x|."""
+        ``a`` is |x| as fp64, ``bits`` the same memory as int64. The extremes are reduced over the bits (a
+        non-negative double is ordered as its bits): a float compare or reduction reads an fp64 subnormal as 0
+        under the thread's denormals-are-zero mode (``torch.set_flush_denormal(True)``). Returns the chunk's
+        largest finite |x| as fp64 bits (0: none)."""
         lay = self.layout
         n_nonfinite = int(keys[2 * _F64_EXP_ALL] + keys[2 * _F64_EXP_ALL + 1])
         # finite values >= 2^shortcut_exp: keys from that exponent field up
@@ -496,17 +501,13 @@ class HostRows(_rows.Rows):
                 counts[lay.overflow + i] += int((big >= t).sum()) if inclusive else int((big > t).sum())
         n_zero = int(keys[1])
         if n_nonfinite:
-            a.nan_to_num_(nan=0.0, posinf=0.0)
-        # a holds |x| >= 0 with nan/inf now 0: float reductions (vectorised) give the exact extremes
-        mx = float(a.amax())
+            bits.masked_fill_(bits >= _INF_BITS, 0)
+        # bits holds those of |x| with nan/inf now 0: integer reductions (vectorised) give the exact extremes
+        mx = int(bits.amax())
         if n_zero == 0 and not n_nonfinite:
-            mn = float(a.amin())
-        elif n_zero + n_nonfinite < a.numel():
-            a.masked_fill_(a == 0, math.inf)
-            mn = float(a.amin())
-        else:
-            mn = math.inf
-        if mn != math.inf:
-            counts[lay.absmin_bits] = min(int(counts[lay.absmin_bits]), f64_bits(mn) - 1)
-        counts[lay.absmax_bits] = max(int(counts[lay.absmax_bits]), f64_bits(mx))
+            counts[lay.absmin_bits] = min(int(counts[lay.absmin_bits]), int(bits.amin()) - 1)
+        elif n_zero + n_nonfinite < bits.numel():
+            bits.masked_fill_(bits == 0, _INF_BITS)
+            counts[lay.absmin_bits] = min(int(counts[lay.absmin_bits]), int(bits.amin()) - 1)
+        counts[lay.absmax_bits] = max(int(counts[lay.absmax_bits]), mx)
         return mx
