@@ -69,6 +69,9 @@ FACTORY = "def make(**kw):\n    raise RuntimeError('the factory failed on purpos
         (["compare", "--precisions", "fp32,fp16", "--init-scale", "inf"], ["--init-scale", "inf"]),
         (["train", "--steps", "0"], ["--steps"]),
         (["train", "--steps", "many"], ["--steps"]),
+        # torch's seed is 64 bits: a raw "ValueError: Overflow when unpacking long long" traceback (tester t5)
+        (["train", "--seed", str(2**64)], ["--seed", "[-2**63, 2**64-1]", str(2**64)]),
+        (["train", "--seed", str(-(2**63) - 1)], ["--seed", "[-2**63, 2**64-1]"]),
         (["train", "--bogus"], ["--bogus"]),
         (["train", "--data", "/no/such/file.txt"], ["no such file"]),
         (["frobnicate"], ["frobnicate"]),
@@ -87,6 +90,29 @@ def test_user_mistakes_exit_2_with_one_line(
         args = [args[0], *TINY, *args[1:]]  # the last occurrence of an option wins
     rc, _, err = run_main(args, capsys)
     assert_one_line_error(rc, err, *needles)
+
+
+def test_the_seeds_accepted_are_the_ones_torch_takes() -> None:
+    """``--seed`` is refused in one line outside the range torch's generators take, and only there; under torchrun
+    rank r's data is seeded ``seed + r``, kept in that range as torch reads it (modulo 2**64: -1 is 2**64-1)."""
+    import torch
+
+    from precprof.errors import UserError
+    from precprof.training.config import TrainConfig, data_seed
+
+    for seed in (-(2**63), 2**64 - 1):
+        TrainConfig(seed=seed).validate()
+        torch.Generator().manual_seed(seed)
+    for seed in (-(2**63) - 1, 2**64):
+        with pytest.raises(UserError, match=r"--seed must be an integer in \[-2\*\*63, 2\*\*64-1\]"):
+            TrainConfig(seed=seed).validate()
+        with pytest.raises(ValueError, match="Overflow"):
+            torch.Generator().manual_seed(seed)
+    assert data_seed(5, 0) == 5 and data_seed(-5, 2) == -3 and data_seed(2**64 - 1, 1) == 0
+    draws = [
+        torch.randint(0, 2**30, (4,), generator=torch.Generator().manual_seed(s)) for s in (-1, 2**64 - 1)
+    ]
+    assert torch.equal(*draws)  # torch reads -1 as 2**64 - 1: the wrap keeps each rank's data
 
 
 @pytest.mark.parametrize("engine", ["bogus", "triton"])

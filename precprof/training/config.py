@@ -31,6 +31,10 @@ from precprof.modes import (
     valid_loss_scale,
 )
 
+# the seeds torch's generators take (``torch.manual_seed``, ``torch.Generator().manual_seed``): any 64-bit integer,
+# signed or not, read modulo 2**64 (-1 seeds as 2**64-1); one outside raised "Overflow when unpacking long long"
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+
 # GradScaler's settings of dynamic loss scaling: a run that scales no loss, or holds a static scale, uses none of
 # them (summary.json records them only where they were used)
 DYNAMIC_SCALER_OPTIONS: tuple[str, ...] = ("init_scale", "growth_factor", "backoff_factor", "growth_interval")
@@ -116,6 +120,10 @@ class TrainConfig:
             ),
             (0 < self.backoff_factor < 1, f"--backoff-factor must be in (0, 1), got {self.backoff_factor}"),
             (self.growth_interval >= 1, f"--growth-interval must be at least 1, got {self.growth_interval}"),
+            (
+                SEED_MIN <= self.seed <= SEED_MAX,
+                f"--seed must be an integer in [-2**63, 2**64-1] (torch's 64-bit seeds), got {self.seed}",
+            ),
             (self.refresh_every >= 1, f"refresh_every must be at least 1, got {self.refresh_every}"),
             (
                 self.sample_every is None or self.sample_every >= 0,
@@ -183,6 +191,13 @@ class TrainConfig:
                 value = parse_model_args(list(value or []))
             values[key] = value
         return cls(**values)
+
+
+def data_seed(seed: int, rank: int) -> int:
+    """The seed of rank ``rank``'s data under torchrun, ``seed + rank``, kept in torch's range as torch reads it
+    (modulo 2**64): --seed 2**64-1 seeds rank 1 with 0, which its generator overflowed at."""
+    s = seed + rank
+    return s - 2**64 if s > SEED_MAX else s
 
 
 def default_sample_every(steps: int) -> int:

@@ -36,6 +36,7 @@ from precprof.training import distributed as launch
 from precprof.training.config import (
     DYNAMIC_SCALER_OPTIONS,
     TrainConfig,
+    data_seed,
     default_out_dir,
     default_sample_every,
 )
@@ -363,7 +364,7 @@ def _prepare(config: TrainConfig, profiler_kwargs: dict[str, Any] | None) -> _Se
     compiled = compiling.should_compile(config.compile, config.precision)
     if compiled:
         compiling.check_can_compile(device)
-    data = load_data(config.data, seed=config.seed + (dist_info.rank if dist_info is not None else 0))
+    data = load_data(config.data, seed=data_seed(config.seed, dist_info.rank if dist_info is not None else 0))
     data.check(config.seq_len)
     _refuse_before_building(config, plan, data, device, dist_info)
     torch.manual_seed(config.seed)
