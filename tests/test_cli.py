@@ -484,6 +484,57 @@ def test_a_forward_that_fails_only_under_the_estimates_hooks_trains(tmp_path: Pa
         contract.check_forward(built, model, forward_loss, 1, 2, 8, 256)
 
 
+def test_a_built_in_model_that_cannot_run_at_the_sizes_given_is_refused_before_the_run_directory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """cnn-bn at --batch-size 1 --seq-len 1 gives its BatchNorm1d one value per channel, which training mode
+    refuses: torch's 95-line traceback, exit 1, after a run directory of 0 steps that refused the corrected rerun
+    (a factory's model failing so was already one line). One line naming the sizes and both fixes, before the
+    run directory (each fix trains: tester t5's batch 2 x seq 1 and batch 1 x seq 2)."""
+    cnn = ["--model", "cnn-bn", "-a", "channels=8", "-a", "n_layer=1", *TINY, "--steps", "1", "--no-report"]
+    out = tmp_path / "run"
+    argv = ["train", *cnn, "--batch-size", "1", "--seq-len", "1", "--out", str(out)]
+    rc, _, err = run_main(argv, capsys)
+    assert_one_line_error(
+        rc,
+        err,
+        "cnn-bn cannot train at --batch-size 1 x --seq-len 1",
+        "ValueError: Expected more than 1 value per channel when training",
+        "BatchNorm1d",
+        "use --batch-size 2 or --seq-len 2",
+    )
+    assert not out.exists()
+
+
+def test_a_built_in_model_failing_at_every_size_keeps_its_traceback() -> None:
+    """A built-in model's forward failing at the run's batch and at a larger one too is no size's fault but
+    precprof's bug: left to training, which keeps its traceback (check_forward returns); one that runs at the
+    larger batch is the size's, refused in one line."""
+    import torch
+    from torch import nn
+
+    from precprof.errors import UserError
+    from precprof.models import BuiltModel
+    from precprof.training import contract
+
+    model = nn.Sequential(nn.Embedding(256, 8), nn.Linear(8, 256))
+    built = BuiltModel(model, "gpt-nano", "builtin", 256, None)
+    below = [2]
+
+    def forward_loss(batch: int) -> torch.Tensor:
+        if batch < below[0]:
+            raise RuntimeError(f"fails below batch {below[0]}")
+        x = torch.randint(0, 256, (batch, 4))
+        return torch.nn.functional.cross_entropy(model(x).reshape(-1, 256), x.reshape(-1))
+
+    with pytest.raises(
+        UserError, match=r"gpt-nano cannot train at --batch-size 1 x --seq-len 4: .* below batch 2"
+    ):
+        contract.check_forward(built, model, forward_loss, 1, 1, 4, 256)
+    below[0] = 100
+    contract.check_forward(built, model, forward_loss, 1, 1, 4, 256)  # left to training
+
+
 def test_the_output_contract_is_said_only_where_the_failure_is_not_raised_inside_the_forward() -> None:
     """An fp16 LSTM that torch's oneDNN cannot run on the CPU (reviewer h100) was told "it must return logits
     (batch_size, seq_len, vocab_size), a scalar loss, ...", which has nothing to do with an op failing inside

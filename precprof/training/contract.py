@@ -5,7 +5,9 @@ raise: the estimate is left unmeasured. For a factory's model that failure is th
 it costs nothing to say: ``check_forward`` runs the failed pass once more without the measuring (which alone
 can fail where training would not: a forward under ``torch.func`` refuses the estimate's saved-tensor hooks) and
 refuses the run in one line, before its run directory is made. It named nothing but a 40-line traceback after a
-run directory whose report showed a run that never took a step.
+run directory whose report showed a run that never took a step. A built-in model failing so is refused in one
+line too where the failure is the sizes' (it runs at a larger batch: cnn-bn's BatchNorm1d at batch 1 x seq 1),
+and left to training, with its traceback, where it is not (precprof's own bug).
 
 ``no_gradient`` says what is wrong with an output the loss takes no gradient from (integer logits, a detached
 loss): torch's backward said "element 0 of tensors does not require grad and does not have a grad_fn" at step 0.
@@ -48,24 +50,67 @@ def check_forward(
     vocab_size: int,
 ) -> None:
     """UserError, one line, when the memory estimate's pass failed (``failed_at``: its batch, 0 for none) and a
-    factory's model fails the forward pass and loss again as training runs them: at the run's ``batch_size``,
-    without the measuring (a model whose state is sized for the training batch, an LSTM's initial hidden state,
-    fails at the estimate's batch 1 and trains). The model's exception is the error's cause (a traceback for a
-    caller of ``precprof.training.train``). An out-of-memory error, a built-in or Hugging Face model (their
-    failure is precprof's or the library's bug, which keeps its traceback), and a pass that succeeds are left to
-    training."""
-    if not failed_at or built.kind != "factory":
+    factory's or built-in model fails the forward pass and loss again as training runs them: in training mode
+    at the run's ``batch_size``, without the measuring (a model whose state is sized for the training batch, an
+    LSTM's initial hidden state, fails at the estimate's batch 1 and trains). The model's exception is the
+    error's cause (a traceback for a caller of ``precprof.training.train``). A built-in model is refused only
+    where the pass runs at ``batch_size + 1`` (``size_failed``): a failure at every size is precprof's bug,
+    which keeps its traceback in training. An out-of-memory error, a Hugging Face model (its failure is the
+    library's), and a pass that succeeds are left to training. Nothing runs where the estimate's passes ran
+    (``failed_at`` 0): no run pays for it but one that failed them."""
+    if not failed_at or built.kind not in ("factory", "builtin"):
         return
     try:
-        with warnings.catch_warnings():  # the estimate's pass has shown the model's warnings
-            warnings.simplefilter("ignore")
-            footprint.run_once(model, lambda: forward_loss(batch_size))
+        _run_quietly(model, forward_loss, batch_size)
     except UserError:
         raise  # the loop's own reading of the output: one line already, naming the fix
     except torch.OutOfMemoryError:
         return
     except Exception as e:
-        raise forward_failed(built, e, (batch_size, seq_len), vocab_size) from e
+        if built.kind == "factory":
+            raise forward_failed(built, e, (batch_size, seq_len), vocab_size) from e
+        try:
+            _run_quietly(model, forward_loss, batch_size + 1)
+        except Exception:
+            return  # no size's fault: left to training, where the bug keeps its traceback
+        raise size_failed(built, model, e, batch_size, seq_len) from e
+
+
+def _run_quietly(model: nn.Module, forward_loss: Callable[[int], torch.Tensor], batch_size: int) -> None:
+    """``footprint.run_once`` of the pass at ``batch_size``, its warnings hidden (the estimate's pass has shown
+    the model's warnings)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        footprint.run_once(model, lambda: forward_loss(batch_size))
+
+
+# BatchNorm in training mode refuses a batch of one value per channel
+_BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+
+
+def size_failed(
+    built: BuiltModel, model: nn.Module, e: BaseException, batch_size: int, seq_len: int
+) -> UserError:
+    """The one-line error for a built-in model whose forward pass raised ``e`` at ``batch_size`` x ``seq_len``
+    and runs at a larger batch: the sizes, the exception, and the fix. A BatchNorm layer in training mode needs
+    more than one value per channel, batch_size x seq_len of them for cnn-bn's BatchNorm1d (batch, channels,
+    seq): either size at 2 does; any other failure is told the larger batch it ran at."""
+    first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+    head = (
+        f"{built.name} cannot train at --batch-size {batch_size} x --seq-len {seq_len}: its forward pass raised "
+        f"{type(e).__name__}: {first}"
+    )
+    norms = [m for m in model.modules() if isinstance(m, _BATCH_NORMS)]
+    if norms and batch_size * seq_len < 2:
+        kinds = " and ".join(sorted({type(m).__name__ for m in norms}))
+        layers = (
+            f"{len(norms)} {kinds} layer needs" if len(norms) == 1 else f"{len(norms)} {kinds} layers need"
+        )
+        return UserError(
+            f"{head}; its {layers} more than one value per channel in training, batch_size x seq_len of at "
+            "least 2: use --batch-size 2 or --seq-len 2"
+        )
+    return UserError(f"{head}; it runs at --batch-size {batch_size + 1}: use --batch-size {batch_size + 1}")
 
 
 # the file of torch's module call (``model(x)`` runs forward from there)
