@@ -48,9 +48,10 @@ class TokenSource(Protocol):
 
 
 def _entropy_nats(p: torch.Tensor) -> torch.Tensor:
-    """Shannon entropy in nats along the last dim (0 log 0 = 0)."""
+    """Shannon entropy in nats along the last dim (0 log 0 = 0); +0.0, not -0.0, for a single value (a file of
+    one byte value was said to have entropy "-0.0000")."""
     logp = torch.where(p > 0, p.log(), torch.zeros_like(p))
-    return -(p * logp).sum(-1)
+    return 0.0 - (p * logp).sum(-1)
 
 
 class MarkovChainData:
@@ -151,6 +152,10 @@ class ByteTextData:
     """
 
     def __init__(self, path: str | Path, seed: int = 0) -> None:
+        if isinstance(path, str) and not path:  # Path("") is ".", which was said to be a directory
+            raise UserError(
+                "--data '' names no file; give the path of a text file (read as bytes) or 'synthetic'"
+            )
         self.path = Path(path)
         self.vocab_size = VOCAB_SIZE
         # uint8: one byte of memory per byte of text (int64 took eight); batch() widens only its windows
@@ -162,9 +167,10 @@ class ByteTextData:
     def check(self, seq_len: int) -> None:
         n = self.tokens.numel()
         if n < seq_len + 1:
+            shorter = f" or --seq-len {n - 1} or less" if n >= 2 else ""  # a window is --seq-len + 1 bytes
             raise UserError(
-                f"--data: {str(self.path)!r} has {n} bytes, fewer than --seq-len + 1 = {seq_len + 1}; "
-                "use a longer file or a shorter --seq-len"
+                f"--data: {str(self.path)!r} has {n} byte{'' if n == 1 else 's'}, fewer than --seq-len + 1 = "
+                f"{seq_len + 1}; use a longer file{shorter}"
             )
 
     def batch(self, batch_size: int, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -194,8 +200,9 @@ def load_data(spec: str, *, seed: int = 0) -> TokenSource:
 
 
 def _read_text_file(p: Path) -> torch.Tensor:
-    """The bytes of ``p`` as a uint8 tensor (one element per byte, at least 3). UserError, one line, for what is
-    not a readable, non-empty regular file that fits in the memory available."""
+    """The bytes of ``p`` as a uint8 tensor (one element per byte). UserError, one line, for what is not a
+    readable, non-empty regular file that fits in the memory available; one too short for the run's --seq-len
+    is ``ByteTextData.check``'s to say (2 bytes train at --seq-len 1)."""
     shown = repr(str(p))
     try:
         if p.is_dir():
@@ -225,8 +232,6 @@ def _read_text_file(p: Path) -> torch.Tensor:
         raise UserError(
             f"--data {shown} is empty; give a text file of a few KB or more (read as bytes) or 'synthetic'"
         )
-    if n < 3:
-        raise UserError(f"--data: {shown} has {n} bytes; a text file of a few KB or more is needed")
     return torch.frombuffer(buf, dtype=torch.uint8)
 
 

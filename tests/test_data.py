@@ -111,6 +111,31 @@ def test_text_errors(tmp_path: Path) -> None:
         data.batch(2, 16, CPU)
 
 
+def test_the_smallest_files_and_an_empty_name_are_each_said_as_they_are(tmp_path: Path) -> None:
+    """A file of one byte value has entropy 0, printed "-0.0000" (summary.json -0.0: -(0 * log 1)); a 2-byte file
+    was "a text file of a few KB or more is needed" (17 bytes train at --seq-len 16, and a 2-byte one at
+    --seq-len 1) where a 3-byte one named the --seq-len it is short of; --data '' was "'.' is a directory"
+    (tester t5)."""
+    same = tmp_path / "a.txt"
+    same.write_bytes(b"a" * 17)
+    entropy = ByteTextData(same).unigram_entropy_nats
+    assert entropy == 0.0 and math.copysign(1.0, entropy) == 1.0 and f"{entropy:.4f}" == "0.0000"
+    assert ByteTextData(same).describe()["unigram_entropy_nats"] == 0.0
+    short = tmp_path / "s.txt"
+    for text, fix in ((b"ab", "use a longer file or --seq-len 1 or less$"), (b"a", "use a longer file$")):
+        short.write_bytes(text)
+        data = load_data(str(short))
+        n = f"{len(text)} byte{'s' if len(text) > 1 else ''}"
+        with pytest.raises(UserError, match=f"has {n}, fewer than --seq-len \\+ 1 = 17; {fix}"):
+            data.check(16)
+    short.write_bytes(b"ab")
+    x, y = load_data(str(short)).batch(2, 1, CPU)  # the smallest run: --seq-len 1 from 2 bytes
+    assert x.tolist() == [[97], [97]] and y.tolist() == [[98], [98]]
+    with pytest.raises(UserError, match=r"^--data '' names no file; give the path of a text file") as info:
+        load_data("")
+    assert "directory" not in str(info.value) and "'.'" not in str(info.value)
+
+
 def test_load_data_dispatch(tmp_path: Path) -> None:
     assert isinstance(load_data("synthetic"), MarkovChainData)
     f = tmp_path / "a.txt"
