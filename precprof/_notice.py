@@ -54,6 +54,7 @@ def notice(message: str | Warning, category: type[Warning] = UserWarning) -> Non
     filename, lineno = frame.f_code.co_filename, frame.f_lineno
     if isinstance(message, Warning):
         category = type(message)
+    registry = module_globals.setdefault("__warningregistry__", {})
     try:
         warnings.warn_explicit(
             message,
@@ -61,7 +62,12 @@ def notice(message: str | Warning, category: type[Warning] = UserWarning) -> Non
             filename,
             lineno,
             module=str(module_globals.get("__name__") or "<string>"),
-            registry=module_globals.setdefault("__warningregistry__", {}),
+            registry=registry,
         )  # (no module_globals: as warnings.warn, the source line is read from the file, not its loader)
-    except Warning as raised:  # an "error" filter: said, never raised (see the module docstring)
+    except Warning as raised:  # an "error" filter: said, never raised (see the module docstring); once per place,
+        # as "default" says it (the filter raised before it marked the place: a loop said it on every call)
+        key = (str(raised), type(raised), lineno)
+        if registry.get(key):
+            return
+        registry[key] = True
         warnings.showwarning(raised, type(raised), filename, lineno)

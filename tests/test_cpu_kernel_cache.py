@@ -456,3 +456,17 @@ def test_env_before_the_cache_exists(fresh: Path) -> None:
 
     assert f"CPU kernel cache: {fresh} (not created yet" in hardware.env_report()
     assert not fresh.exists()  # env_report only looks
+
+
+def test_a_notice_under_an_error_filter_is_shown_once_per_place() -> None:
+    """Under an "error" filter a notice is shown, not raised; it was shown on every call from one place (a per-step
+    path repeated it each step), where "default" shows it once (reviewer r1)."""
+    from precprof._notice import notice
+
+    for error in (True, False):
+        with warnings.catch_warnings(record=True) as log:
+            warnings.resetwarnings()
+            warnings.simplefilter("error" if error else "default")
+            for _ in range(3):
+                notice(f"precprof: one notice from one place ({error})")
+        assert len(log) == 1, (error, [str(w.message) for w in log])

@@ -260,7 +260,8 @@ def _status(summary: Mapping[str, Any], read: T.RunTables, live: bool) -> tuple[
         if isinstance(said, str) and said and not said.startswith("running ("):
             # the cause the process wrote before it ended (an exception in a with block, one that ended the
             # script: ``capture.unsaved``), not a kill
-            return T.STATUS_INCOMPLETE, f"cut off {where}: {said}"
+            # (its first clause: the rest says after which step, and a report command for the run's own folder)
+            return T.STATUS_INCOMPLETE, f"cut off {where}: {said.split(';')[0].strip()}"
         return T.STATUS_INCOMPLETE, (
             f"cut off {where}: killed before it saved its tables, which are read from the parts it wrote while "
             "training"
