@@ -64,7 +64,9 @@ def notice(message: str | Warning, category: type[Warning] = UserWarning) -> Non
             module=str(module_globals.get("__name__") or "<string>"),
             registry=registry,
         )  # (no module_globals: as warnings.warn, the source line is read from the file, not its loader)
-    except Warning as raised:  # an "error" filter: said, never raised (see the module docstring); once per place,
+    except (
+        Warning
+    ) as raised:  # an "error" filter: said, never raised (see the module docstring); once per place,
         # as "default" says it (the filter raised before it marked the place: a loop said it on every call)
         key = (str(raised), type(raised), lineno)
         if registry.get(key):

@@ -725,6 +725,37 @@ def _rule_steps_without_update(run: _Run, plan: _Plan) -> None:
     )
 
 
+def _weight_rows(layers: pd.DataFrame) -> pd.DataFrame:
+    """The weight rows (module, param, step, absmax, absmin) of the sampled steps."""
+    w = layers[layers[T.TENSOR] == T.WEIGHT]
+    return pd.DataFrame(
+        {
+            "key": list(zip(T.texts(w[T.MODULE]), T.texts(w[T.PARAM]), strict=True)),
+            T.STEP: w[T.STEP].to_numpy(),
+            T.ABSMAX: pd.to_numeric(w[T.ABSMAX], errors="coerce").to_numpy(),
+            T.ABSMIN: pd.to_numeric(w[T.ABSMIN], errors="coerce").to_numpy(),
+        }
+    )
+
+
+def _moved_weights(layers: pd.DataFrame) -> set[tuple[str, str]]:
+    """The parameters whose weights changed between sampled steps (their largest or smallest nonzero magnitude,
+    exact): something moved them, an optimizer the Profiler does not follow, a hand-written update
+    (``p.data -= lr * p.grad``), an average; whatever holds them, they learn."""
+    w = _weight_rows(layers)
+    if w.empty:
+        return set()
+    n = w.groupby("key")[[T.ABSMAX, T.ABSMIN]].nunique(dropna=False)
+    return set(n.index[(n > 1).any(axis=1)])
+
+
+def _weights_read_twice(layers: pd.DataFrame) -> set[tuple[str, str]]:
+    """The parameters whose weights were read on two sampled steps or more."""
+    w = _weight_rows(layers)
+    steps = w.groupby("key")[T.STEP].nunique()
+    return set(steps.index[steps > 1])
+
+
 def _rule_gradients_not_applied(run: _Run, plan: _Plan) -> None:
     """Parameters with a gradient on sampled steps the optimizer the Profiler follows stepped, whose update no
     sampled step read (no ``weight_update`` row of theirs in the run, the update sample not having skipped them),
@@ -759,7 +790,8 @@ def _rule_gradients_not_applied(run: _Run, plan: _Plan) -> None:
     never = T.not_in_optimizer(run.summary)
     changed = {(m, str(p)) for m, ps in T.trainable_changed(run.summary).items() for p in ps}
     keys = list(zip(T.texts(grads[T.MODULE]), T.texts(grads[T.PARAM]), strict=True))
-    loose = grads[[(k in never or k in changed) and k not in held for k in keys]]
+    moved = _moved_weights(layers)
+    loose = grads[[(k in never or k in changed) and k not in held and k not in moved for k in keys]]
     if loose.empty:
         return
     modules = run.sort(dict.fromkeys(T.texts(loose[T.MODULE])))
@@ -768,6 +800,7 @@ def _rule_gradients_not_applied(run: _Run, plan: _Plan) -> None:
     )
     at = sorted(set(loose[T.STEP].astype(int)))
     lim = run.cfg.max_listed_modules
+    still = _weights_read_twice(layers)  # (those whose weights the run read on two sampled steps or more)
     # (one whose requires_grad changed is said unfrozen, the capture's word or not)
     unfrozen = run.sort(dict.fromkeys(m for m, p in params if (m, p) in changed))
     added = run.sort(dict.fromkeys(m for m, p in params if (m, p) not in changed))
@@ -775,8 +808,9 @@ def _rule_gradients_not_applied(run: _Run, plan: _Plan) -> None:
     added_said = (
         (f"Those of {_listing(added, lim)} were" if both else "They were")
         + " trainable, and in none of the optimizer's param groups on any sampled step it stepped: a "
-        "module added to the model after the optimizer was built (a new head, an adapter), or param groups that "
-        "leave a submodule out, does this (the Hugging Face Trainer builds its optimizer when train() begins)."
+        "module added to the model after the optimizer was built (a new head, an adapter), param groups that "
+        "leave a submodule out (the Hugging Face Trainer builds its optimizer when train() begins), or layers "
+        "meant to stay fixed but not frozen (a backbone under linear probing) do this."
     )
     unfrozen_said = (
         (f"Those of {_listing(unfrozen, lim)} were unfrozen during the run: a" if both else "A")
@@ -791,13 +825,21 @@ def _rule_gradients_not_applied(run: _Run, plan: _Plan) -> None:
             f"{len(params)} parameter(s) got gradients and no update: no optimizer the Profiler follows holds them",
             f"On {len(at)} sampled step(s) the optimizer stepped ({_listed([str(s) for s in at], 6)}), the "
             f"parameters of {_listing(modules, lim)} had a gradient, and no sampled step updated them: no "
-            "optimizer the Profiler was given holds them, so they do not learn whatever their gradient. "
+            "optimizer the Profiler was given holds them"
+            + (
+                ", and their weights were the same on every sampled step that read them"
+                if all(k in still for k in params)
+                else ""
+            )
+            + ", so they do not learn whatever their gradient. "
             + " ".join(s for s, cause in ((added_said, added), (unfrozen_said, unfrozen)) if cause),
-            "Add the parameters to the optimizer (optimizer.add_param_group({'params': [...]})) when you "
+            "If they are meant to learn, add them to the optimizer (optimizer.add_param_group({'params': [...]})) "
+            "when you "
             + ("add the module or unfreeze them" if both else "add the module" if added else "unfreeze them")
             + ", or build the optimizer once the model is complete, over all its parameters (frozen ones get no "
-            "gradient and no update); if another optimizer steps them, give it to the Profiler too "
-            "(prof.use_optimizer).",
+            "gradient and no update); if they are meant to stay fixed, freeze them (requires_grad_(False)): their "
+            "gradients cost time and memory and are never used; if another optimizer steps them, give it to the "
+            "Profiler too (prof.use_optimizer).",
             modules=modules,
             numbers={"parameters": len(params), "steps": len(at)},
         )
