@@ -73,6 +73,8 @@ def test_a_run_that_sampled_nothing_claims_no_measurement(tmp_path: Path) -> Non
     so; nothing says "the measured gradients do not underflow it", "the measurements allow" or "as measured"."""
     run = tiny(tmp_path / "s0", sample_every=0)
     assert T.read_tables(run)["layers"].empty
+    # nor was autocast seen: not observed (null), where it said {"enabled": false}, autocast off
+    assert T.read_summary(run)[T.SUMMARY_CAPTURE]["autocast"] is None
     rec = T.read_summary(run)[T.SUMMARY_RECOMMENDATION]
     reasons = " ".join(rec["reasons"])
     assert "do not underflow" not in reasons and "measurements allow" not in reasons

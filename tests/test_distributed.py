@@ -773,7 +773,7 @@ def test_the_processes_row_says_the_parameters_dtype_and_the_autocast_compute() 
     FSDP's param_dtype, which the forward computes in without autocast, still reads as the compute's."""
     from precprof.report.environment import environment
 
-    def parallelism(wrapper: str, param_dtype: str, autocast: dict[str, Any]) -> str:
+    def parallelism(wrapper: str, param_dtype: str, autocast: dict[str, Any] | None) -> str:
         d = {"world_size": 2, "wrapper": wrapper, "param_dtype": param_dtype, "reduce_dtype": "float32"}
         groups = dict(environment({"capture": {"distributed": d, "autocast": autocast}})["groups"])
         return dict(groups["Processes"])["parallelism"]
@@ -789,6 +789,11 @@ def test_the_processes_row_says_the_parameters_dtype_and_the_autocast_compute() 
     )
     assert parallelism("FSDP2", "float32", bf16) == (
         "FSDP2; parameters gathered in float32 (compute: bfloat16 autocast), reduces gradients in float32"
+    )
+    # no recorded forward pass saw autocast (capture.autocast null: nothing sampled): the compute's dtype is not
+    # said ("computes in bfloat16" was autocast off's)
+    assert parallelism("FSDP2", "bfloat16", None) == (
+        "FSDP2; parameters gathered in bfloat16, reduces gradients in float32"
     )
 
 

@@ -1766,6 +1766,29 @@ def test_a_run_that_sampled_no_step_says_why_it_has_no_memory(tmp_path: Path) ->
     assert "No memory was recorded. Memory is measured on sampled steps, and no step was sampled" in page
 
 
+def test_a_run_that_sampled_no_step_records_autocast_as_not_observed(tmp_path: Path) -> None:
+    """``sample_every=0`` under bf16 autocast (a callback's run: its config names the precision, no plan): no
+    recorded forward pass saw autocast, and summary.json said ``{"enabled": false}``, autocast off, and the
+    page's precision row "no autocast". It records null (not observed), and the page says that."""
+    model = torch.nn.Linear(4, 4)
+    with precprof.Profiler(model, sample_every=0, out=tmp_path / "run") as prof:
+        for _ in range(2):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = model(torch.randn(2, 4))
+            assert out.dtype == torch.bfloat16
+            out.float().sum().backward()
+            prof.step()
+    prof.save(summary={T.SUMMARY_CONFIG: {"precision": "bf16"}}, render=True)
+    summary = T.read_summary(tmp_path / "run")
+    assert (
+        summary[T.SUMMARY_CAPTURE]["autocast"] is None
+        and summary[T.SUMMARY_CAPTURE]["precision_seen"] is None
+    )
+    env = section((tmp_path / "run" / T.REPORT_FILE).read_text(), "environment")
+    env = re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", env))
+    assert "bf16: autocast not observed (no recorded forward pass)" in env and "no autocast" not in env
+
+
 def test_a_loss_given_every_third_step_is_one_line() -> None:
     """A loop that passes its loss every third step over 300 steps: the curve was drawn through the gaps of
     the steps without one, every point alone and, past 60 points, without a marker: an empty plot. The steps

@@ -304,7 +304,8 @@ class ProfilerResults:
             "model_class": model_class_name(_compat.unwrapped(self.model)),
             "precision_seen": self.precision_seen(),
             "fp8_emulated": fp8_emulated(_compat.unwrapped(self.model)),
-            "autocast": self._autocast_seen or {"enabled": False, "dtype": None},
+            # None: no recorded forward pass saw autocast (nothing sampled), which is not "off"
+            "autocast": dict(self._autocast_seen) or None,
             "scaler": type(self.scaler).__name__ if self.scaler is not None else None,
             "scaler_enabled": bool(_scaler_enabled(self.scaler)) if self.scaler is not None else None,
             "scaler_growth_interval": _compat.scaler_growth_interval(self.scaler),

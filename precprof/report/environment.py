@@ -308,16 +308,30 @@ def _loss_scaling(cfg: Mapping[str, Any]) -> str:
     return ""
 
 
+def _autocast_unseen(capture: Mapping[str, Any] | None) -> bool:
+    """Whether the capture records that no recorded forward pass saw autocast (``capture.autocast`` null: no
+    step sampled), neither on nor off (a summary before it recorded ``{"enabled": false}`` then)."""
+    return isinstance(capture, Mapping) and "autocast" in capture and capture["autocast"] is None
+
+
+def _seen_autocast(capture: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """``capture.autocast`` as the hooks saw it, None where they saw none (``_autocast_unseen``)."""
+    seen = capture.get("autocast")
+    return seen if isinstance(seen, Mapping) else None
+
+
 def precision_text(cfg: Mapping[str, Any], capture: Mapping[str, Any] | None = None) -> str:
     """The precision mode and what it means here: autocast dtype, weights, FP8 layers, TF32, loss scaling. The
     built-in loop's plan says them; a run of the callbacks (HF, Lightning) has none, and the autocast the hooks
-    saw (``capture.autocast``) says it there."""
+    saw (``capture.autocast``) says it there: null where no recorded forward pass saw it (nothing sampled), which
+    says neither on nor off."""
     precision = str(cfg.get("precision") or "")
     if not precision:
         return ""
     plan = _map(cfg.get("plan"))
     parts: list[str] = []
     seen = _map(_map(capture).get("autocast"))
+    none = "autocast not observed (no recorded forward pass)" if _autocast_unseen(capture) else "no autocast"
     autocast = plan.get("autocast_dtype") or (seen.get("dtype") if seen.get("enabled") else None)
     params = plan.get("param_dtype")
     if precision == "fp8":
@@ -331,9 +345,9 @@ def precision_text(cfg: Mapping[str, Any], capture: Mapping[str, Any] | None = N
         weights = params or ("float32" if plan else None)  # the hooks saw the autocast, not the weights
         parts.append(f"autocast to {autocast}" + (f", {weights} weights" if weights else ""))
     elif params and params != "float32":
-        parts.append(f"weights in {params}, no autocast")
+        parts.append(f"weights in {params}, {none}")
     else:
-        parts.append("no autocast")
+        parts.append(none)
     tf32 = plan.get("tf32", cfg.get("tf32_matmul"))
     if tf32 is not None and precision in ("fp32", "tf32") and str(cfg.get("device") or "").startswith("cuda"):
         parts.append(f"TF32 {'on' if tf32 else 'off'}")
@@ -1012,14 +1026,15 @@ def _coverage(v: Mapping[str, Any]) -> str:
 _NONFINITE_KINDS = ("nan", "inf")
 
 
-def _param_dtype_words(wrapper: str, param_dtype: Any, autocast: Mapping[str, Any]) -> list[str]:
+def _param_dtype_words(wrapper: str, param_dtype: Any, autocast: Mapping[str, Any] | None) -> list[str]:
     """The parameters' dtype and the compute's, in words. FSDP's ``param_dtype`` is the dtype it gathers the
     parameters in for the forward, which computes in it unless autocast runs on top; DDP's is the parameters'
-    own (DDP has no compute dtype), and a bf16-autocast DDP run read "computes in float32"."""
+    own (DDP has no compute dtype), and a bf16-autocast DDP run read "computes in float32". ``autocast`` None:
+    no recorded forward pass saw it, and the compute's dtype is not said."""
     if not param_dtype:
         return []
-    cast = autocast.get("dtype") if autocast.get("enabled") else None
-    if wrapper in ("FSDP1", "FSDP2") and not cast:
+    cast = autocast.get("dtype") if autocast is not None and autocast.get("enabled") else None
+    if wrapper in ("FSDP1", "FSDP2") and not cast and autocast is not None:
         return [f"computes in {param_dtype}"]
     held = "gathered in" if wrapper in ("FSDP1", "FSDP2") else "in"
     return [f"parameters {held} {param_dtype}" + (f" (compute: {cast} autocast)" if cast else "")]
@@ -1028,8 +1043,7 @@ def _param_dtype_words(wrapper: str, param_dtype: Any, autocast: Mapping[str, An
 def distributed_rows(d: Mapping[str, Any], autocast: Mapping[str, Any] | None = None) -> Rows:
     """``capture.distributed`` (``precprof.capture.reducer``) in words: the ranks, the wrapper, what the numbers of
     a multi-rank run are, non-finite values by rank, and every rank's memory. ``autocast``: the capture's
-    (``capture.autocast``), for the dtype the forward computes in."""
-    autocast = autocast or {}
+    (``capture.autocast``), for the dtype the forward computes in; None where no recorded forward pass saw it."""
     if not d:
         return []
     rows: Rows = []
@@ -1144,6 +1158,6 @@ def environment(summary: Mapping[str, Any], tp: Mapping[str, Any] | None = None)
         ("Model", _model(_map(summary.get(T.SUMMARY_MODEL)), cfg, capture, trainable(summary))),
         ("Run", config_rows(cfg, capture)),
         ("Capture", capture_rows(capture, cfg, tp)),
-        ("Processes", distributed_rows(_map(capture.get("distributed")), _map(capture.get("autocast")))),
+        ("Processes", distributed_rows(_map(capture.get("distributed")), _seen_autocast(capture))),
     ]
     return {"device": device, "command": command, "groups": [(n, rows) for n, rows in groups if rows]}

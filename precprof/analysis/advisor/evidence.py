@@ -329,7 +329,8 @@ class _Run:
     @property
     def autocast(self) -> Mapping[str, Any]:
         """What the hooks saw of autocast on the first recorded forward (``capture.autocast``: ``enabled``,
-        ``dtype``, ``device_type``); {} when the summary has none."""
+        ``dtype``, ``device_type``); {} when the summary has none, or null (no recorded forward pass saw it:
+        nothing sampled), which is neither on nor off (``enabled`` None; a rule for "off" asks ``is False``)."""
         capture = self.summary.get(T.SUMMARY_CAPTURE) or {}
         seen = capture.get("autocast") if isinstance(capture, Mapping) else None
         return seen if isinstance(seen, Mapping) else {}
