@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,28 @@ def test_each_mode_compiles_as_its_users_run_it() -> None:
     assert compiling.note("fp8", compiled=True) == "" == compiling.note("bf16", compiled=False)
     assert compiling.describe(None, True, "fp8") == "compiled (torch.compile), the default for fp8"
     assert compiling.describe(False, False, "bf16") == "eager, --no-compile"
+    # once the run ran: how many steps ran the compiled model (a sampled step runs it eagerly), and why not all
+    assert compiling.ran(None, True, "fp8", 1, 1) == {
+        "steps_run_compiled": 0,
+        "compiled": "ran no step compiled: torch.compile wrapped the model (the default for fp8), but its one "
+        "step was sampled, and a sampled step runs it eagerly (for the hooks)",
+    }
+    assert compiling.ran(True, True, "bf16", 5, 1)["compiled"] == (
+        "compiled (torch.compile), --compile: 4 of 5 steps ran compiled, the 1 sampled one eagerly (for the hooks)"
+    )
+    # a torch without compiler stances (before 2.6) runs a sampled step compiled
+    assert compiling.ran(True, True, "bf16", 5, 5, eager_when_sampled=False) == {
+        "steps_run_compiled": 5,
+        "compiled": "compiled (torch.compile), --compile",
+    }
+    assert compiling.ran(None, False, "bf16", 5, 5) == {
+        "steps_run_compiled": 0,
+        "compiled": "eager, the default for bf16",
+    }
+    assert (
+        compiling.ran_note({"compile": False, "steps_run_compiled": 0, "compiled": "eager, --no-compile"}, 1)
+        == ""
+    )
 
 
 def test_the_options_reach_the_config(
@@ -73,7 +96,7 @@ def test_a_compiled_run_on_the_cpu(tmp_path: Path) -> None:
     eager = train(_config(tmp_path / "e", sample_every=0))
     cfg = json.loads((tmp_path / "c" / T.SUMMARY_FILE).read_text())[T.SUMMARY_CONFIG]
     assert cfg["compile"] is True and cfg["compile_requested"] is True
-    assert cfg["compiled"] == "compiled (torch.compile), --compile"
+    assert cfg["compiled"] == "compiled (torch.compile), --compile" and cfg["steps_run_compiled"] == 3
     ecfg = eager.summary[T.SUMMARY_CONFIG]
     assert ecfg["compile"] is False and ecfg["compiled"] == "eager, the default for fp32"
     assert compiled.steps[T.LOSS].tolist() == pytest.approx(eager.steps[T.LOSS].tolist(), rel=1e-5)
@@ -98,14 +121,30 @@ def test_compare_says_how_each_mode_ran(tmp_path: Path) -> None:
     assert "How each run ran" in (tmp_path / "cmp" / "compare.html").read_text()
 
 
-def test_a_compiled_run_whose_every_step_was_sampled_says_none_ran_compiled(tmp_path: Path) -> None:
+def test_a_compiled_run_whose_every_step_was_sampled_says_none_ran_compiled(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """`--compile` on a short run whose every step is sampled: a sampled step runs eagerly, so no step ran
-    compiled, while the page said "compiled (torch.compile)" beside eager losses and step times. It says so."""
+    compiled, while the page said "compiled (torch.compile)" beside eager losses and step times. It says so, and
+    so do summary.json (its config said "compiled (torch.compile), --compile"), the terminal (it said nothing) and
+    the comparison (it said each run ran compiled, its first step left out of the throughput as the compile's)."""
+    from precprof.analysis.comparison import Variant, analyse
     from precprof.report.environment import capture_rows
 
+    capsys.readouterr()
     train(_config(tmp_path / "c", compile=True, sample_every=1))
     summary = T.read_summary(tmp_path / "c")
-    assert summary[T.SUMMARY_CONFIG]["compile"] is True
+    cfg = summary[T.SUMMARY_CONFIG]
+    assert cfg["compile"] is True and cfg["compile_requested"] is True  # torch.compile wrapped the model
+    none_ran = (
+        "ran no step compiled: torch.compile wrapped the model (--compile), but all 3 steps were sampled, and a "
+        "sampled step runs it eagerly (for the hooks)"
+    )
+    assert cfg["steps_run_compiled"] == 0 and cfg["compiled"] == none_ran
+    assert (
+        f"precprof: note: this run {none_ran}; --sample-every N with N above 1 runs the steps not sampled compiled"
+        in capsys.readouterr().err
+    )
     row = dict(capture_rows(summary[T.SUMMARY_CAPTURE], summary[T.SUMMARY_CONFIG]))["torch.compile"]
     assert row.startswith(
         "the whole model: every step was sampled, and a sampled step runs it eagerly (for the hooks): no step "
@@ -116,6 +155,22 @@ def test_a_compiled_run_whose_every_step_was_sampled_says_none_ran_compiled(tmp_
     # some steps unsampled: it said nothing at all of the sampled steps running eagerly (a user's loop did)
     train(_config(tmp_path / "s", compile=True, sample_every=2, steps=4))
     summary = T.read_summary(tmp_path / "s")
+    assert T.read_tables(tmp_path / "s")["steps"][T.SAMPLED].tolist() == [True, False, True, False]
+    cfg = summary[T.SUMMARY_CONFIG]
+    assert cfg["steps_run_compiled"] == 2 and cfg["compiled"] == (
+        "compiled (torch.compile), --compile: 2 of 4 steps ran compiled, the 2 sampled ones eagerly (for the hooks)"
+    )
+    assert "ran no step compiled" not in capsys.readouterr().err
+    # the comparison says how each ran, runs that ran alike once; nothing compiled in a run that ran none
+    shutil.copytree(tmp_path / "c", tmp_path / "c2")
+    comparison = analyse([(Variant("fp32", name=n), tmp_path / n) for n in ("c", "c2", "s")])
+    how = next(n for n in comparison.notes if n.startswith("How each run ran"))
+    assert how == (
+        f"How each run ran: c and c2 {none_ran}; s {cfg['compiled']}. Each mode runs as its users run it for "
+        "speed (fp8 only compiled, by default); the steps in which torch.compile compiled are left out of the "
+        "throughput."
+    )
+    assert how not in comparison.page_only  # the terminal says it too
     row = dict(capture_rows(summary[T.SUMMARY_CAPTURE], summary[T.SUMMARY_CONFIG]))["torch.compile"]
     assert row.startswith(
         "the whole model: the steps not sampled ran compiled; the sampled ones ran it eagerly"

@@ -10,6 +10,11 @@ costs seconds to minutes, and the comparison of precisions (``precprof compare``
 The model is compiled whole (``torch.compile(model)``, inductor), after the Profiler's module and the
 optimizer are set up on the module itself: the Profiler watches the plain module's names, the loop calls the
 compiled one.
+
+A sampled step runs the compiled model eagerly (the Profiler's ``force_eager`` stance, torch 2.6 and later), so
+only the steps not sampled run it compiled: a run whose every step is sampled (``--sample-every 1``, the default
+below 150 steps) ran none compiled. summary.json says how many did (``steps_run_compiled``, ``ran``) and the
+terminal says it when none did (``ran_note``).
 """
 
 from __future__ import annotations
@@ -17,7 +22,8 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from precprof.errors import UserError
 from precprof.modes import Precision
@@ -68,9 +74,14 @@ def compile_model(model: nn.Module) -> nn.Module:
     return torch.compile(model)  # type: ignore[return-value]
 
 
-def describe(requested: bool | None, compiled: bool, precision: str) -> str:
-    """How the run was compiled, in the words summary.json and the comparison use: "compiled (torch.compile,
-    the default for fp8)", "eager (--no-compile)", ..."""
+def describe(
+    requested: bool | None, compiled: bool, precision: str, ran: int | None = None, steps: int | None = None
+) -> str:
+    """How the run was compiled, in the words summary.json and the comparison use: "compiled (torch.compile),
+    the default for fp8", "eager, --no-compile", ...; once it ran (``ran`` of its ``steps`` finished steps ran
+    the compiled model), how many steps ran compiled where not all did, and why: "compiled (torch.compile),
+    --compile: 8 of 10 steps ran compiled, the 2 sampled ones eagerly (for the hooks)", or "ran no step
+    compiled: torch.compile wrapped the model (--compile), but all 4 steps were sampled, ..."."""
     why = (
         "--compile"
         if requested is True
@@ -78,17 +89,61 @@ def describe(requested: bool | None, compiled: bool, precision: str) -> str:
         if requested is False
         else f"the default for {precision}"
     )
-    return f"{'compiled (torch.compile)' if compiled else 'eager'}, {why}"
+    if not compiled:
+        return f"eager, {why}"
+    if ran is None or not steps or ran >= steps:
+        return f"compiled (torch.compile), {why}"
+    eager = steps - ran
+    if ran == 0:
+        every = f"all {steps} steps were" if steps > 1 else "its one step was"
+        return (
+            f"ran no step compiled: torch.compile wrapped the model ({why}), but {every} sampled, and a sampled "
+            "step runs it eagerly (for the hooks)"
+        )
+    return (
+        f"compiled (torch.compile), {why}: {ran} of {steps} steps ran compiled, the {eager} sampled "
+        f"{'ones' if eager > 1 else 'one'} eagerly (for the hooks)"
+    )
 
 
 def summary(requested: bool | None, compiled: bool, precision: str) -> dict[str, object]:
-    """summary.json's config entries: ``compile`` (whether the model ran compiled), ``compile_requested``
-    (True, False, or None for the mode's default) and ``compiled`` (``describe``)."""
+    """summary.json's config entries before the run: ``compile`` (whether the loop compiled the model, wrapped
+    in ``torch.compile``; not whether a step ran it compiled), ``compile_requested`` (True, False, or None for
+    the mode's default), ``steps_run_compiled`` (None until the run ran: ``ran``) and ``compiled``
+    (``describe``)."""
     return {
         "compile": compiled,
         "compile_requested": requested,
+        "steps_run_compiled": None,
         "compiled": describe(requested, compiled, precision),
     }
+
+
+def ran(
+    requested: bool | None,
+    compiled: bool,
+    precision: str,
+    steps: int,
+    sampled: int,
+    eager_when_sampled: bool = True,
+) -> dict[str, object]:
+    """summary.json's config entries once the run ran ``steps`` finished steps, ``sampled`` of them sampled:
+    ``steps_run_compiled``, how many steps ran the compiled model (0 for an eager run): those not sampled, a
+    sampled step runs it eagerly (``eager_when_sampled``: not on a torch without compiler stances, before 2.6,
+    where it runs compiled, the hooks traced), and ``compiled`` (``describe``) with it."""
+    n = (steps - sampled if eager_when_sampled else steps) if compiled else 0
+    return {"steps_run_compiled": n, "compiled": describe(requested, compiled, precision, n, steps)}
+
+
+def ran_note(config: Mapping[str, Any], sample_every: int | None) -> str:
+    """A line for the terminal when the loop compiled the model but no step ran it compiled (``config``: the
+    summary's, after ``ran``), what to pass to run some compiled; "" otherwise."""
+    if not config.get("compile") or config.get("steps_run_compiled") != 0:
+        return ""
+    text = f"this run {config.get('compiled')}"
+    if sample_every == 1:
+        text += "; --sample-every N with N above 1 runs the steps not sampled compiled"
+    return text
 
 
 def note(precision: str, compiled: bool) -> str:

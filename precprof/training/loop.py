@@ -754,6 +754,11 @@ def _run(s: _Setup, callbacks: Sequence[Callback], claimed: rundir.RunDir | None
     except KeyboardInterrupt as e:  # Ctrl-C while the report rendered, or held while the run was written
         _saved_to(e, s, "the run")
         raise
+    # --compile (or fp8's default) with every step sampled ran nothing compiled: said, as summary.json says it
+    if (
+        note := compiling.ran_note(s.summary[T.SUMMARY_CONFIG], s.prof_kwargs.get("sample_every"))
+    ) and s.writer:
+        _note(note)
     if s.dist_info is not None and s.dist_info.owns_group:
         launch.shutdown()  # after rank 0 wrote: its barrier waits for it
     summary = T.read_summary(s.run_dir)
@@ -810,8 +815,22 @@ def _save(s: _Setup, prof: Profiler, wall_s: float, steps_done: int, reason: str
     """
     try:
         steps_table = prof.tables()["steps"]
+        finished = T.finished_steps(steps_table)
+        # how many steps ran the compiled model: a sampled step runs it eagerly, for the hooks (a run whose every
+        # step was sampled ran none, and its config said "compiled (torch.compile)")
+        cfg = s.summary[T.SUMMARY_CONFIG]
+        cfg.update(
+            compiling.ran(
+                s.config.compile,
+                bool(cfg.get("compile")),
+                s.config.precision,
+                len(finished),
+                int(T.flags(finished[T.SAMPLED]).sum()) if T.SAMPLED in finished else 0,
+                eager_when_sampled=hasattr(torch.compiler, "set_stance"),
+            )
+        )
         s.summary[T.SUMMARY_FINAL] = _final(
-            T.finished_steps(steps_table),
+            finished,
             wall_s,
             s.data.describe(),
             steps_done,

@@ -438,9 +438,19 @@ def _how_each_ran(runs: Sequence[RunResult]) -> str:
     ran = [(r.label, r.compiled) for r in runs if r.compiled]
     if not ran:
         return ""
+    # runs that ran alike, said once ("fp32 and bf16 ran no step compiled: ...")
+    said: dict[str, list[str]] = {}
+    for label, how in ran:
+        said.setdefault(how, []).append(label)
+    # the steps in which torch.compile compiled are left out of the throughput, where a run ran any compiled (a
+    # run whose every step was sampled ran none: "ran no step compiled: ...", and left none out)
     return (
         "How each run ran: "
-        + "; ".join(f"{label} {how}" for label, how in ran)
-        + ". Each mode runs as its users run it for speed (fp8 only compiled, by default); the first step, "
-        "which compiles, is left out of the throughput."
+        + "; ".join(f"{and_list(labels)} {how}" for how, labels in said.items())
+        + ". Each mode runs as its users run it for speed (fp8 only compiled, by default)"
+        + (
+            "; the steps in which torch.compile compiled are left out of the throughput."
+            if any(how.startswith("compiled") for _, how in ran)
+            else "."
+        )
     )
