@@ -82,8 +82,12 @@ def compare(
     for v in variants:  # every run directory is usable before the first run trains
         rundir.check_target(out / v.label, overwrite=base.overwrite, option="--out")
     out.mkdir(parents=True, exist_ok=True)
+    # (one interval for every run, every second step at least where one compiles: its sampled steps run eager)
+    compiles = any(compiling.should_compile(base.compile, v.precision) for v in variants)
     sample_every = (
-        base.sample_every if base.sample_every is not None else training.default_sample_every(base.steps)
+        base.sample_every
+        if base.sample_every is not None
+        else training.default_sample_every(base.steps, compiled=compiles)
     )
     done: list[tuple[Variant, Path]] = []
     t0 = time.perf_counter()

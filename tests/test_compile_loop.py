@@ -153,7 +153,9 @@ def test_a_compiled_run_whose_every_step_was_sampled_says_none_ran_compiled(
     # said once (it had begun "the steps not sampled ran compiled"), with the built-in loop's own flag
     assert "steps not sampled" not in row and "--sample-every N with N above 1" in row
     # some steps unsampled: it said nothing at all of the sampled steps running eagerly (a user's loop did)
-    train(_config(tmp_path / "s", compile=True, sample_every=2, steps=4))
+    # (the default interval of a compiled run of 4 steps: every second step, so that the others run it compiled; it
+    # was 1, and fp8, compiled by default, ran no step compiled in a run of fewer than 150 steps)
+    train(_config(tmp_path / "s", compile=True, steps=4))
     summary = T.read_summary(tmp_path / "s")
     assert T.read_tables(tmp_path / "s")["steps"][T.SAMPLED].tolist() == [True, False, True, False]
     cfg = summary[T.SUMMARY_CONFIG]

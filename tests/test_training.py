@@ -568,6 +568,9 @@ def test_defaults(tmp_path: Path) -> None:
         and default_sample_every(30) == 1
         and default_sample_every(10_000) == 100
     )
+    # a compiled model: every second step at least, so that the steps between run it compiled (a sampled step runs
+    # it eagerly: fp8, compiled by default, was timed eager in a run of fewer than 150 steps)
+    assert default_sample_every(30, compiled=True) == 2 and default_sample_every(500, compiled=True) == 5
     out = default_out_dir(TrainConfig(model="hf:gpt2", precision="bf16"), root=tmp_path)
     assert out.parent == tmp_path and out.name.startswith("hf-gpt2-bf16-")
     out.mkdir()

@@ -422,7 +422,9 @@ def _prepare(config: TrainConfig, profiler_kwargs: dict[str, Any] | None) -> _Se
             model = compiling.compile_model(model)
         scaler = make_scaler(config, plan, device)
     sample_every = (
-        config.sample_every if config.sample_every is not None else default_sample_every(config.steps)
+        config.sample_every
+        if config.sample_every is not None
+        else default_sample_every(config.steps, compiled=compiled)
     )
     # the built-in loop owns the process: nothing else reads its peak counters (every phase's counter peak is
     # exact), and the peak's parts are measured on the CPU too (torch.profiler's memory events)
