@@ -738,15 +738,40 @@ def _weight_rows(layers: pd.DataFrame) -> pd.DataFrame:
     )
 
 
-def _moved_weights(layers: pd.DataFrame) -> set[tuple[str, str]]:
+def _moved_weights(
+    layers: pd.DataFrame, hist: pd.DataFrame, candidates: set[tuple[str, str]]
+) -> set[tuple[str, str]]:
     """The parameters whose weights changed between sampled steps (their largest or smallest nonzero magnitude,
-    exact): something moved them, an optimizer the Profiler does not follow, a hand-written update
-    (``p.data -= lr * p.grad``), an average; whatever holds them, they learn."""
+    exact, or the count of any binade of their exponent histogram): something moved them, an optimizer the
+    Profiler does not follow, a hand-written update (``p.data -= lr * p.grad``), an average; whatever holds them,
+    they learn. (An embedding stepped by hand moves only the batch's rows: its extremes stay, its binades do not.)"""
     w = _weight_rows(layers)
     if w.empty:
         return set()
     n = w.groupby("key")[[T.ABSMAX, T.ABSMIN]].nunique(dropna=False)
-    return set(n.index[(n > 1).any(axis=1)])
+    moved = set(n.index[(n > 1).any(axis=1)])
+    if not candidates:
+        return moved
+    # (of the candidates' weight rows only: a large run's histograms hold millions of rows)
+    h = hist.iloc[0:0]
+    if not hist.empty and T.TENSOR in hist:
+        h = hist[(hist[T.TENSOR] == T.WEIGHT) & hist[T.MODULE].isin({m for m, _ in candidates})]
+    if not h.empty:
+        keys = pd.Series(list(zip(T.texts(h[T.MODULE]), T.texts(h[T.PARAM]), strict=True)), index=h.index)
+        counts = pd.DataFrame(
+            {"key": keys, T.STEP: h[T.STEP], T.EXPONENT: h[T.EXPONENT], T.COUNT: h[T.COUNT]}
+        )
+        # each parameter's binade counts per step, the steps compared: any binade of any step another's differs
+        grid = counts.pivot_table(index=["key", T.EXPONENT], columns=T.STEP, values=T.COUNT, aggfunc="sum")
+        grid = grid.fillna(0)
+        changed = grid.nunique(axis=1) > 1
+        # (a step that read another parameter, not this one, is a column of zeros there: only steps read count)
+        read = counts.groupby("key")[T.STEP].unique()
+        for key in set(changed[changed].index.get_level_values(0)):
+            cols = list(read[key])
+            if len(cols) > 1 and (grid.loc[key, cols].nunique(axis=1) > 1).any():
+                moved.add(key)
+    return moved
 
 
 def _weights_read_twice(layers: pd.DataFrame) -> set[tuple[str, str]]:
@@ -790,8 +815,9 @@ def _rule_gradients_not_applied(run: _Run, plan: _Plan) -> None:
     never = T.not_in_optimizer(run.summary)
     changed = {(m, str(p)) for m, ps in T.trainable_changed(run.summary).items() for p in ps}
     keys = list(zip(T.texts(grads[T.MODULE]), T.texts(grads[T.PARAM]), strict=True))
-    moved = _moved_weights(layers)
-    loose = grads[[(k in never or k in changed) and k not in held and k not in moved for k in keys]]
+    candidates = {k for k in keys if (k in never or k in changed) and k not in held}
+    moved = _moved_weights(layers, run.hist, candidates)
+    loose = grads[[k in candidates and k not in moved for k in keys]]
     if loose.empty:
         return
     modules = run.sort(dict.fromkeys(T.texts(loose[T.MODULE])))
@@ -827,7 +853,8 @@ def _rule_gradients_not_applied(run: _Run, plan: _Plan) -> None:
             f"parameters of {_listing(modules, lim)} had a gradient, and no sampled step updated them: no "
             "optimizer the Profiler was given holds them"
             + (
-                ", and their weights were the same on every sampled step that read them"
+                ", and their weights' extremes and exponent histogram were the same on every sampled step that "
+                "read them"
                 if all(k in still for k in params)
                 else ""
             )
