@@ -468,7 +468,7 @@ STOPPED = textwrap.dedent(
             opt.zero_grad()
             prof.step(loss=loss)
             if step == fail_at:
-                raise ValueError("a bug in the loop")
+                raise ValueError("a bug in the loop; lower the lr")
     if fail_at < 0:
         prof.save()
     """
@@ -490,5 +490,23 @@ def test_a_run_an_exception_stopped_reads_with_its_cause(
     assert res.returncode == 0
     comp, _ = C.compare_runs([tmp_path / "fp32", tmp_path / "stopped"], out=tmp_path / "cmp")
     (stopped,) = [r for r in comp.runs if r.status == T.STATUS_INCOMPLETE]
-    assert stopped.reason == "cut off after step 2: ValueError: a bug in the loop"
+    # (the exception's own "; " kept: the cause is cut where precprof's words after it begin, reviewer r2)
+    assert stopped.reason == "cut off after step 2: ValueError: a bug in the loop; lower the lr"
     assert "killed" not in stopped.reason and stopped.stopped == "stopped after 3 steps: ValueError"
+
+
+def test_a_killed_compiled_run_says_the_steps_that_ran_compiled() -> None:
+    """A --compile run killed before it saved keeps the config written before training, "compiled (torch.compile),
+    --compile", though every step was sampled and a sampled step runs the model eagerly: compare said it ran
+    compiled (reviewer r2). The steps that ran compiled are counted from its steps table."""
+    import pandas as pd
+
+    from precprof.analysis.comparison.runs import _compiled
+
+    cfg = {"compile": True, "compiled": "compiled (torch.compile), --compile"}
+    every = pd.DataFrame({T.STEP: range(4), T.SAMPLED: [True] * 4})
+    assert _compiled(cfg, every, streamed=True).startswith("ran no step compiled: every step was sampled")
+    some = pd.DataFrame({T.STEP: range(4), T.SAMPLED: [True, False, True, False]})
+    assert "--compile: 2 of 4 steps ran compiled" in _compiled(cfg, some, streamed=True)
+    # a saved run's own words stand
+    assert _compiled({**cfg, "steps_run_compiled": 2}, some, streamed=False) == cfg["compiled"]

@@ -37,6 +37,7 @@ from precprof.analysis.advisor.rules import block_losses
 from precprof.errors import UserError
 from precprof.report import (
     blocks,
+    environment,
     filters,
     plots,
     render,
@@ -1787,6 +1788,12 @@ def test_a_run_that_sampled_no_step_records_autocast_as_not_observed(tmp_path: P
     env = section((tmp_path / "run" / T.REPORT_FILE).read_text(), "environment")
     env = re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", env))
     assert "bf16: autocast not observed (no recorded forward pass)" in env and "no autocast" not in env
+    # the built-in loop's plan says it ran no autocast, sampled or not (reviewer r2: its fp32 and bf16-pure runs
+    # of --sample-every 0 were "not observed")
+    for precision, dtype in (("fp32", "float32"), ("bf16-pure", "bfloat16")):
+        cfg = {"precision": precision, "plan": {"param_dtype": dtype}}
+        said = environment.precision_text(cfg, {"autocast": None})
+        assert said.endswith("no autocast") and "not observed" not in said, said
 
 
 def test_a_loss_given_every_third_step_is_one_line() -> None:

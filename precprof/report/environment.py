@@ -331,7 +331,13 @@ def precision_text(cfg: Mapping[str, Any], capture: Mapping[str, Any] | None = N
     plan = _map(cfg.get("plan"))
     parts: list[str] = []
     seen = _map(_map(capture).get("autocast"))
-    none = "autocast not observed (no recorded forward pass)" if _autocast_unseen(capture) else "no autocast"
+    # (the built-in loop's plan says whether it ran autocast, sampled or not: "not observed" is the hooks' word
+    # where no plan says it, a callback's run that sampled nothing)
+    none = (
+        "autocast not observed (no recorded forward pass)"
+        if _autocast_unseen(capture) and not plan
+        else "no autocast"
+    )
     autocast = plan.get("autocast_dtype") or (seen.get("dtype") if seen.get("enabled") else None)
     params = plan.get("param_dtype")
     if precision == "fp8":

@@ -246,6 +246,13 @@ def read_tables(run_dir: Path) -> tuple[T.RunTables, bool]:
     return T.read_run(run_dir, histogram_totals=True), live
 
 
+# what ``capture.unsaved`` writes after an exception's one line: "; raised after step 3 (...), before the run was
+# saved: ..." or "; not caught, it ended the script after step 3 ..."
+_UNSAVED_TAIL = re.compile(
+    r"; (?:raised|not caught, it ended the script) (?:after step|before prof\.step\(\)).*$"
+)
+
+
 def _status(summary: Mapping[str, Any], read: T.RunTables, live: bool) -> tuple[str, str | None]:
     """A run's status and why it did not complete, as its report says them: a run that never saved its tables
     was cut off after the last step it flushed, whatever its first summary.json still says ("running (pid
@@ -260,8 +267,10 @@ def _status(summary: Mapping[str, Any], read: T.RunTables, live: bool) -> tuple[
         if isinstance(said, str) and said and not said.startswith("running ("):
             # the cause the process wrote before it ended (an exception in a with block, one that ended the
             # script: ``capture.unsaved``), not a kill
-            # (its first clause: the rest says after which step, and a report command for the run's own folder)
-            return T.STATUS_INCOMPLETE, f"cut off {where}: {said.split(';')[0].strip()}"
+            # (the cause without what capture.unsaved adds after it: after which step, and a report command for
+            # the run's own folder; the exception's own "; " kept)
+            cause = _UNSAVED_TAIL.sub("", said).strip()
+            return T.STATUS_INCOMPLETE, f"cut off {where}: {cause}"
         return T.STATUS_INCOMPLETE, (
             f"cut off {where}: killed before it saved its tables, which are read from the parts it wrote while "
             "training"
@@ -402,13 +411,29 @@ def read_run(
         skipped_at=[int(s) for s in steps.loc[steps[T.SKIPPED].astype(bool), T.STEP]]
         if not steps.empty
         else [],
-        compiled=str(cfg["compiled"]) if isinstance(cfg.get("compiled"), str) else None,
+        compiled=_compiled(cfg, T.finished_steps(tables.tables["steps"]), tables.streamed),
         settings={k: cfg[k] for k in SETUP_SETTINGS if cfg.get(k) is not None},
         missing=[T.TABLE_FILES[name] for name in T.missing_tables(run_dir)],
         steps_run=steps_run,
         stopped=_stopped(status, reason, tables, steps_run, cfg.get("steps"), summary),
         compared_until=until,
     )
+
+
+def _compiled(cfg: Mapping[str, Any], steps: pd.DataFrame, streamed: bool) -> str | None:
+    """How the loop ran the model, as the run's config says it; for a compiled run that never saved (killed), whose
+    config is the one written before training, with the steps that ran compiled counted from its steps table
+    (a sampled step runs the model eagerly): it read "compiled (torch.compile)" of a run that ran none."""
+    said = str(cfg["compiled"]) if isinstance(cfg.get("compiled"), str) else None
+    if not (said and streamed and cfg.get("compile") is True and "steps_run_compiled" not in cfg):
+        return said
+    if steps.empty or T.SAMPLED not in steps:
+        return said
+    n, total = int((~T.flags(steps[T.SAMPLED])).sum()), len(steps)
+    counted = "counted from the steps table of a run that never saved"
+    if n == 0:
+        return f"ran no step compiled: every step was sampled, and a sampled step runs the model eagerly ({counted})"
+    return f"{said}: {n} of {total} steps ran compiled, the sampled ones eagerly ({counted})"
 
 
 def _stopped(
@@ -425,7 +450,7 @@ def _stopped(
     if read.streamed and status != "running":  # never saved: killed, unless the process wrote why it stopped
         said = summary.get(T.SUMMARY_INCOMPLETE_REASON)
         cause = said if isinstance(said, str) and said and not said.startswith("running (") else None
-        why = re.split(r"[:;]", cause)[0].strip() if cause else "killed"
+        why = re.split(r"[:;]", _UNSAVED_TAIL.sub("", cause))[0].strip() if cause else "killed"
     else:
         why = re.split(r"[:;]", reason or "")[0].strip()
     of = f" of {planned:,}" if isinstance(planned, int) and planned > done else ""
