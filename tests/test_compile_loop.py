@@ -162,6 +162,12 @@ def test_a_compiled_run_whose_every_step_was_sampled_says_none_ran_compiled(
     assert cfg["steps_run_compiled"] == 2 and cfg["compiled"] == (
         "compiled (torch.compile), --compile: 2 of 4 steps ran compiled, the 2 sampled ones eagerly (for the hooks)"
     )
+    # the page's Run group says it in the one "compiled" row ("compile: yes" beside "steps run compiled: 0" read
+    # as a contradiction, and five rows said compiling, reviewer r2)
+    from precprof.report.environment import config_rows
+
+    said = [label for label, _ in config_rows(cfg)]
+    assert "compiled" in said and not {"compile", "compile requested", "steps run compiled"} & set(said), said
     assert "ran no step compiled" not in capsys.readouterr().err
     # the comparison says how each ran, runs that ran alike once; nothing compiled in a run that ran none
     shutil.copytree(tmp_path / "c", tmp_path / "c2")

@@ -34,7 +34,9 @@ _CONFIG_SAID = _keys(
     "growth_interval static_scale plan fp8_layers tf32_matmul optimizer optimizer_class lr "
     "weight_decay grad_clip steps batch_size seq_len seed device device_requested data out "
     "sample_every progress refresh_every report command_line command cmdline argv distributed "
-    "world_size overwrite memory_estimate precisions max_steps"
+    "world_size overwrite memory_estimate precisions max_steps "
+    # (the "compiled" row says them in words: wrapped or not, asked or the default, how many steps ran compiled)
+    "compile compile_requested steps_run_compiled"
 )
 # capture keys said elsewhere on the page (precision check, memory, per-layer table) or internal bookkeeping
 _CAPTURE_SAID = _keys(
