@@ -503,7 +503,8 @@ def test_a_killed_compiled_run_says_the_steps_that_ran_compiled() -> None:
 
     from precprof.analysis.comparison.runs import _compiled
 
-    cfg = {"compile": True, "compiled": "compiled (torch.compile), --compile"}
+    # (as the first summary.json of precprof train holds them, written before training)
+    cfg = {"compile": True, "steps_run_compiled": None, "compiled": "compiled (torch.compile), --compile"}
     every = pd.DataFrame({T.STEP: range(4), T.SAMPLED: [True] * 4})
     assert _compiled(cfg, every, streamed=True).startswith("ran no step compiled: every step was sampled")
     some = pd.DataFrame({T.STEP: range(4), T.SAMPLED: [True, False, True, False]})

@@ -12,8 +12,8 @@ optimizer are set up on the module itself: the Profiler watches the plain module
 compiled one.
 
 A sampled step runs the compiled model eagerly (the Profiler's ``force_eager`` stance, torch 2.6 and later), so
-only the steps not sampled run it compiled: a run whose every step is sampled (``--sample-every 1``, the default
-below 150 steps) ran none compiled. summary.json says how many did (``steps_run_compiled``, ``ran``) and the
+only the steps not sampled run it compiled: a run whose every step is sampled (``--sample-every 1``) runs none
+compiled (a compiled run's default interval is 2 at least: ``config.default_sample_every``). summary.json says how many did (``steps_run_compiled``, ``ran``) and the
 terminal says it when none did (``ran_note``).
 """
 

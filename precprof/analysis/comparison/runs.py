@@ -425,7 +425,8 @@ def _compiled(cfg: Mapping[str, Any], steps: pd.DataFrame, streamed: bool) -> st
     config is the one written before training, with the steps that ran compiled counted from its steps table
     (a sampled step runs the model eagerly): it read "compiled (torch.compile)" of a run that ran none."""
     said = str(cfg["compiled"]) if isinstance(cfg.get("compiled"), str) else None
-    if not (said and streamed and cfg.get("compile") is True and "steps_run_compiled" not in cfg):
+    # (the first summary holds steps_run_compiled null: counted when the run saves)
+    if not (said and streamed and cfg.get("compile") is True and cfg.get("steps_run_compiled") is None):
         return said
     if steps.empty or T.SAMPLED not in steps:
         return said
