@@ -491,3 +491,15 @@ def test_an_nn_sequentials_numbered_modules_read_as_names_in_the_environments_pr
         == '2.weight is "0"\'s (recorded once, under its first owner)'
     )
     assert _optimizer_named([{"class": "Adam", "modules": ["0", "2"]}], 0) == 'optimizer 0 (Adam: "0", "2")'
+
+
+def test_the_steps_sampled_counted_from_a_steps_table_without_step_numbers() -> None:
+    """A steps table whose sampled rows hold no step number (the property test's hostile tables): counting the
+    sampling from it raised "cannot convert float NaN to integer" at the first sampled step, and the page was
+    not written. It says the counts, and no first sampled step."""
+    from precprof.report.context import sampling_from_steps
+
+    steps = pd.DataFrame({T.STEP: [float("nan")] * 2, T.SAMPLED: [True, False]})
+    said = sampling_from_steps({T.SUMMARY_CAPTURE: {}}, steps)[T.SUMMARY_CAPTURE]
+    assert said["sampled_steps"] == 1 and said["steps_recorded"] == 2
+    assert "first_sampled_step" not in said["sampling"]

@@ -788,8 +788,9 @@ def sampling_from_steps(summary: Mapping[str, Any], steps: pd.DataFrame) -> Mapp
         sampling["reasons"] = {
             str(r): int(n) for r, n in reasons[reasons != ""].value_counts(sort=False).items()
         }
-    if sampled.any():
-        sampling["first_sampled_step"] = int(pd.to_numeric(steps[T.STEP], errors="coerce")[sampled].min())
+    first = pd.to_numeric(steps[T.STEP], errors="coerce")[sampled].min() if sampled.any() else math.nan
+    if math.isfinite(first):  # (a step column without a number: no first step said)
+        sampling["first_sampled_step"] = int(first)
     counts = {"sampled_steps": int(sampled.sum()), "steps_recorded": len(steps), "sampling": sampling}
     return {**summary, T.SUMMARY_CAPTURE: {**capture, **counts}}
 
