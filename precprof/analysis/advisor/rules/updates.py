@@ -725,10 +725,21 @@ def _rule_steps_without_update(run: _Run, plan: _Plan) -> None:
     )
 
 
-def _weight_rows(layers: pd.DataFrame) -> pd.DataFrame:
-    """The weight rows (module, param, step, absmax, absmin) of the sampled steps."""
-    w = layers[layers[T.TENSOR] == T.WEIGHT]
-    return pd.DataFrame(
+def _weights_seen(
+    layers: pd.DataFrame, hist: pd.DataFrame, candidates: set[tuple[str, str]]
+) -> tuple[set[tuple[str, str]], set[tuple[str, str]]]:
+    """Of the ``candidates`` (module, param): those whose weights changed between the sampled steps that read them
+    (their largest or smallest nonzero magnitude, exact, or their exponent histogram): something moved them, an
+    optimizer the Profiler does not follow, a hand-written update (``p.data -= lr * p.grad``), an average;
+    whatever holds them, they learn (an embedding stepped by hand moves only the batch's rows: its extremes stay,
+    its binades do not). And those whose weights two sampled steps or more read."""
+    if not candidates:
+        return set(), set()
+    modules = {
+        m for m, _ in candidates
+    }  # (a large run's histograms hold millions of rows: the candidates' only)
+    w = layers[(layers[T.TENSOR] == T.WEIGHT) & layers[T.MODULE].isin(modules)]
+    w = pd.DataFrame(
         {
             "key": list(zip(T.texts(w[T.MODULE]), T.texts(w[T.PARAM]), strict=True)),
             T.STEP: w[T.STEP].to_numpy(),
@@ -736,49 +747,27 @@ def _weight_rows(layers: pd.DataFrame) -> pd.DataFrame:
             T.ABSMIN: pd.to_numeric(w[T.ABSMIN], errors="coerce").to_numpy(),
         }
     )
-
-
-def _moved_weights(
-    layers: pd.DataFrame, hist: pd.DataFrame, candidates: set[tuple[str, str]]
-) -> set[tuple[str, str]]:
-    """The parameters whose weights changed between sampled steps (their largest or smallest nonzero magnitude,
-    exact, or the count of any binade of their exponent histogram): something moved them, an optimizer the
-    Profiler does not follow, a hand-written update (``p.data -= lr * p.grad``), an average; whatever holds them,
-    they learn. (An embedding stepped by hand moves only the batch's rows: its extremes stay, its binades do not.)"""
-    w = _weight_rows(layers)
-    if w.empty:
-        return set()
+    w = w[w["key"].isin(candidates)]
     n = w.groupby("key")[[T.ABSMAX, T.ABSMIN]].nunique(dropna=False)
     moved = set(n.index[(n > 1).any(axis=1)])
-    if not candidates:
-        return moved
-    # (of the candidates' weight rows only: a large run's histograms hold millions of rows)
-    h = hist.iloc[0:0]
-    if not hist.empty and T.TENSOR in hist:
-        h = hist[(hist[T.TENSOR] == T.WEIGHT) & hist[T.MODULE].isin({m for m, _ in candidates})]
-    if not h.empty:
-        keys = pd.Series(list(zip(T.texts(h[T.MODULE]), T.texts(h[T.PARAM]), strict=True)), index=h.index)
-        counts = pd.DataFrame(
-            {"key": keys, T.STEP: h[T.STEP], T.EXPONENT: h[T.EXPONENT], T.COUNT: h[T.COUNT]}
-        )
-        # each parameter's binade counts per step, the steps compared: any binade of any step another's differs
-        grid = counts.pivot_table(index=["key", T.EXPONENT], columns=T.STEP, values=T.COUNT, aggfunc="sum")
-        grid = grid.fillna(0)
-        changed = grid.nunique(axis=1) > 1
-        # (a step that read another parameter, not this one, is a column of zeros there: only steps read count)
-        read = counts.groupby("key")[T.STEP].unique()
-        for key in set(changed[changed].index.get_level_values(0)):
-            cols = list(read[key])
-            if len(cols) > 1 and (grid.loc[key, cols].nunique(axis=1) > 1).any():
-                moved.add(key)
-    return moved
-
-
-def _weights_read_twice(layers: pd.DataFrame) -> set[tuple[str, str]]:
-    """The parameters whose weights were read on two sampled steps or more."""
-    w = _weight_rows(layers)
     steps = w.groupby("key")[T.STEP].nunique()
-    return set(steps.index[steps > 1])
+    h = hist[(hist[T.TENSOR] == T.WEIGHT) & hist[T.MODULE].isin(modules)] if T.TENSOR in hist else hist
+    if not h.empty:
+        binades = pd.DataFrame(
+            {
+                "key": list(zip(T.texts(h[T.MODULE]), T.texts(h[T.PARAM]), strict=True)),
+                T.STEP: h[T.STEP].to_numpy(),
+                T.EXPONENT: h[T.EXPONENT].to_numpy(),
+                T.COUNT: h[T.COUNT].to_numpy(),
+            }
+        ).sort_values(T.EXPONENT, kind="stable")
+        # each step's histogram as one value; a parameter whose steps hold more than one moved
+        each = binades.groupby(["key", T.STEP])[[T.EXPONENT, T.COUNT]].apply(
+            lambda g: tuple(map(tuple, g.to_numpy()))
+        )
+        kinds = each.groupby(level=0).nunique()
+        moved |= set(kinds.index[kinds > 1])
+    return moved & candidates, set(steps.index[steps > 1])
 
 
 def _rule_gradients_not_applied(run: _Run, plan: _Plan) -> None:
@@ -816,7 +805,7 @@ def _rule_gradients_not_applied(run: _Run, plan: _Plan) -> None:
     changed = {(m, str(p)) for m, ps in T.trainable_changed(run.summary).items() for p in ps}
     keys = list(zip(T.texts(grads[T.MODULE]), T.texts(grads[T.PARAM]), strict=True))
     candidates = {k for k in keys if (k in never or k in changed) and k not in held}
-    moved = _moved_weights(layers, run.hist, candidates)
+    moved, still = _weights_seen(layers, run.hist, candidates)
     loose = grads[[k in candidates and k not in moved for k in keys]]
     if loose.empty:
         return
@@ -826,7 +815,6 @@ def _rule_gradients_not_applied(run: _Run, plan: _Plan) -> None:
     )
     at = sorted(set(loose[T.STEP].astype(int)))
     lim = run.cfg.max_listed_modules
-    still = _weights_read_twice(layers)  # (those whose weights the run read on two sampled steps or more)
     # (one whose requires_grad changed is said unfrozen, the capture's word or not)
     unfrozen = run.sort(dict.fromkeys(m for m, p in params if (m, p) in changed))
     added = run.sort(dict.fromkeys(m for m, p in params if (m, p) not in changed))
