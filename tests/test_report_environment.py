@@ -503,3 +503,8 @@ def test_the_steps_sampled_counted_from_a_steps_table_without_step_numbers() -> 
     said = sampling_from_steps({T.SUMMARY_CAPTURE: {}}, steps)[T.SUMMARY_CAPTURE]
     assert said["sampled_steps"] == 1 and said["steps_recorded"] == 2
     assert "first_sampled_step" not in said["sampling"]
+    # the built-in loop's first summary says its interval in its config, not its capture: a killed
+    # --sample-every 1 run was said to sample "within the overhead budget (not recorded)" (reviewer r2)
+    killed = {T.SUMMARY_CONFIG: {"sample_every": 1}, T.SUMMARY_CAPTURE: {}}
+    sampling = sampling_from_steps(killed, steps)[T.SUMMARY_CAPTURE]["sampling"]
+    assert (sampling["mode"], sampling["every"]) == ("every", 1)

@@ -775,7 +775,10 @@ def sampling_from_steps(summary: Mapping[str, Any], steps: pd.DataFrame) -> Mapp
     ):
         return summary
     sampled = T.flags(steps[T.SAMPLED]).to_numpy()
-    every = capture.get("sample_every")
+    # (the built-in loop's first summary says its interval in its config: a killed --sample-every 1 run was told
+    # "within the overhead budget (not recorded)", a budget it never had)
+    cfg = summary.get(T.SUMMARY_CONFIG) or {}
+    every = capture.get("sample_every", cfg.get("sample_every") if isinstance(cfg, Mapping) else None)
     known = capture.get("sampling")
     sampling: dict[str, Any] = {
         "mode": "budget" if every is None else ("every" if every else "off"),
