@@ -250,7 +250,10 @@ def rerender(
         for note in (rundir.newer_version_note(rd, summary), older):
             if note:
                 read.notices.append(note)
-        live_line = rundir.live_note(rd, read.last_step, recording is not None) if live else None
+        held = rundir.stopped_note(rd) if live and recording is None else None
+        if held is not None:  # stopped, not in progress: the page of the run that stopped, and who holds it
+            read.notices.append(held)
+        live_line = rundir.live_note(rd, read.last_step, recording is not None) if live and not held else None
         if recording is not None:  # what the run's end adds to its summary, as of now
             summary.update(post_process(read.tables, summary, facts))
             advise = target is not None

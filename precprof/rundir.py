@@ -26,6 +26,7 @@ import shutil
 import sys
 import tempfile
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,8 +49,10 @@ RUN_FILES: tuple[str, ...] = (T.SUMMARY_FILE, T.REPORT_FILE, *T.TABLE_FILES.valu
 # go when it is replaced; precprof's are told from a user's own page by the generator tag in their head
 _TARGET_REPORT_GLOB = "report-*.html"
 _GENERATOR = b'<meta name="generator" content="precprof '
+_RUNNING_PREFIX = "running ("
 RUNNING_REASON = (
-    "running (pid {pid}, started {started}); if it still says this, the process ended before it could save: "
+    _RUNNING_PREFIX
+    + "pid {pid}, started {started}); if it still says this, the process ended before it could save: "
     "killed (SIGKILL, out of memory; SIGTERM, as torchrun sends when another rank fails), or a script that "
     "never called prof.save() or prof.report()"
 )
@@ -389,17 +392,50 @@ def live_writer(path: str | os.PathLike[str]) -> int | None:
         os.close(fd)
 
 
+def says_running(summary: Mapping[str, Any]) -> bool:
+    """Whether ``summary`` is a claim's first one, "running (pid ...)" (``RUNNING_REASON``), not a cause written
+    since (an exception that stopped the Profiler before it saved: ``capture.unsaved``; a save that failed)."""
+    reason = summary.get(T.SUMMARY_INCOMPLETE_REASON)
+    return isinstance(reason, str) and reason.startswith(_RUNNING_PREFIX)
+
+
+def stopped_note(path: str | os.PathLike[str]) -> str | None:
+    """One line when run directory ``path`` is held by a live process (``live_writer``) whose Profiler stopped
+    before it saved the run: its summary.json gives the cause (an exception in a ``with Profiler(...)`` block,
+    in a notebook or a script that goes on) in place of "running". Nothing more is written to it: a report of
+    it is of a stopped run, not of one "still in progress" that "writes its own report when it ends" (it never
+    does unless ``prof.save()`` is called). None otherwise."""
+    try:
+        summary = T.read_summary(Path(path))
+    except (OSError, UserError):
+        return None
+    if summary.get(T.SUMMARY_STATUS) != T.STATUS_INCOMPLETE or says_running(summary):
+        return None
+    pid = live_writer(path)
+    if pid is None:
+        return None
+    who = f"process {pid}" if pid else "another process"
+    return (
+        f"{path} is held by {who}, whose Profiler stopped before saving it: nothing more is written to it; "
+        "prof.save() in that process saves the steps recorded as the run, and the process's end releases it"
+    )
+
+
 def live_note(
     path: str | os.PathLike[str], last_step: int | None = None, recording: bool = False
 ) -> str | None:
     """One line when run directory ``path`` is still being written (``live_writer``), else None. ``recording``:
-    by the Profiler whose own report this is (``Profiler.report`` while attached), which the line speaks to."""
+    by the Profiler whose own report this is (``Profiler.report`` while attached), which the line speaks to.
+    A run held by a Profiler that stopped before saving it gets ``stopped_note``'s line."""
     if recording:
         upto = f"as of step {last_step}" if last_step is not None else "before its first step"
         return (
             f"{path} is still recording: this report is a snapshot {upto}, and the Profiler goes on streaming "
             "into the run; call prof.report() again for more, and after prof.detach() for the finished run"
         )
+    stopped = stopped_note(path)
+    if stopped is not None:
+        return stopped
     pid = live_writer(path)
     if pid is None:
         return None

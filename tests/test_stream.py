@@ -32,6 +32,7 @@ from torch import nn
 import precprof
 from precprof import cli, parts, pipeline, rundir, runfiles
 from precprof import tables as T
+from precprof.analysis.comparison import runs
 from precprof.capture import stream, unsaved, writer_process
 from precprof.errors import UserError
 from precprof.report import filters as F
@@ -590,6 +591,48 @@ def test_precprof_report_on_a_run_still_being_written(
     with pytest.raises(SystemExit):
         cli.main(["report", str(out)])
     assert capsys.readouterr().err == ""
+
+
+def test_a_run_whose_with_block_raised_reads_as_stopped_while_its_process_holds_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A ``with Profiler(out=...)`` block that raised keeps its run (``prof.save()`` afterwards saves it whole):
+    in a notebook the process goes on holding the lock. ``precprof report`` said "a run still in progress ...
+    still being written by process N ... the run writes its own report when it ends" and hid the exception the
+    summary gives, and compare called the run "running"; nothing more is written to it and it writes no report
+    of its own. It reads as the stopped run it is (the page of the run after its process ends: the cause at the
+    top, escaped), and the note says who holds it and what saves it."""
+    out = tmp_path / "run"
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    prof = precprof.Profiler(model, opt, sample_every=2, out=out, memory=False)
+    with pytest.raises(ValueError), prof:
+        for step in range(3):
+            train_step(model, opt, prof, step)
+        raise ValueError("a <bad> batch")
+    assert rundir.live_writer(out) == os.getpid()  # still held: the notebook's process goes on
+    with pytest.raises(SystemExit) as e:
+        cli.main(["report", str(out)])
+    _, err = capsys.readouterr()
+    assert e.value.code in (0, None)
+    (line,) = err.strip().splitlines()
+    assert line == (
+        f"precprof: note: {out} is held by process {os.getpid()}, whose Profiler stopped before saving it: "
+        "nothing more is written to it; prof.save() in that process saves the steps recorded as the run, and "
+        "the process's end releases it"
+    )
+    html = (out / T.REPORT_FILE).read_text()
+    banner = html.split('id="incomplete"', 1)[1].split("</div>", 1)[0]
+    assert "ValueError: a &lt;bad&gt; batch; raised after step 2" in banner
+    assert 'id="live"' not in html and "still being written" not in html and "in progress" not in html
+    assert f"held by process {os.getpid()}, whose Profiler stopped" in html
+    run = runs.read_run(runs.Variant("fp32", "auto"), out)
+    assert run.status == T.STATUS_INCOMPLETE and run.reason is not None
+    assert run.reason == "cut off after step 2: ValueError: a <bad> batch", run.reason  # as once it ended
+    prof.save()  # as the note says: the steps recorded, saved as the run; the lock goes
+    assert rundir.live_writer(out) is None and len(T.read_run(out).tables["steps"]) == 3
+    assert not T.read_run(out).streamed
 
 
 def test_a_report_while_attached_is_a_snapshot_and_the_run_streams_on(tmp_path: Path) -> None:

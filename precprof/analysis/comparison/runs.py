@@ -242,7 +242,8 @@ def _memory(memory: pd.DataFrame) -> dict[str, int]:
 def read_tables(run_dir: Path) -> tuple[T.RunTables, bool]:
     """A run directory's tables as ``precprof report`` reads them (``tables.read_run``: from the parts it
     streamed when it never saved them), and whether a process still writes it, asked first as the report asks."""
-    live = rundir.live_writer(run_dir) is not None
+    # (a run whose Profiler stopped before it saved is held, not written: its cause, not "running")
+    live = rundir.live_writer(run_dir) is not None and rundir.stopped_note(run_dir) is None
     return T.read_run(run_dir, histogram_totals=True), live
 
 
@@ -264,7 +265,7 @@ def _status(summary: Mapping[str, Any], read: T.RunTables, live: bool) -> tuple[
             f"after step {read.last_step}" if read.last_step is not None else "before any step was flushed"
         )
         said = summary.get(T.SUMMARY_INCOMPLETE_REASON) if summary else None
-        if isinstance(said, str) and said and not said.startswith("running ("):
+        if isinstance(said, str) and said and not rundir.says_running(summary):
             # the cause the process wrote before it ended (an exception in a with block, one that ended the
             # script: ``capture.unsaved``), not a kill
             # (the cause without what capture.unsaved adds after it: after which step, and a report command for
@@ -450,7 +451,7 @@ def _stopped(
         return ""
     if read.streamed and status != "running":  # never saved: killed, unless the process wrote why it stopped
         said = summary.get(T.SUMMARY_INCOMPLETE_REASON)
-        cause = said if isinstance(said, str) and said and not said.startswith("running (") else None
+        cause = said if isinstance(said, str) and said and not rundir.says_running(summary) else None
         why = re.split(r"[:;]", _UNSAVED_TAIL.sub("", cause))[0].strip() if cause else "killed"
     else:
         why = re.split(r"[:;]", reason or "")[0].strip()
