@@ -199,16 +199,20 @@ def _version(value: bool) -> None:
         raise typer.Exit()
 
 
-@app.callback()
+# the commands' descriptions are help= texts, not docstrings: python -OO strips docstrings
+@app.callback(help="Precision profiler for mixed-precision PyTorch training.")
 def _root(
     version: Annotated[
         bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
     ] = False,
 ) -> None:
-    """Precision profiler for mixed-precision PyTorch training."""
+    del version  # (its eager callback printed it)
 
 
-@app.command(cls=_Command)
+@app.command(
+    cls=_Command,
+    help="Train a model with the profiler attached and write a run directory (tables, summary.json, report).",
+)
 @O.training_options()
 def train(
     precision: Annotated[
@@ -232,7 +236,6 @@ def train(
     ] = None,
     **options: Any,
 ) -> None:
-    """Train a model with the profiler attached and write a run directory (tables, summary.json, report)."""
     config = training.TrainConfig.from_options(
         {**options, "precision": precision, "loss_scale": loss_scale, "out": out},
         model_args=options["model_arg"],
@@ -318,11 +321,13 @@ def _loss_reference(summary: dict[str, Any]) -> str:
     return ""
 
 
-@app.command(cls=_Command)
+@app.command(
+    cls=_Command,
+    help="Versions, device capabilities, TF32 flags, NVML, and the format the usual decision tree picks here.",
+)
 def env(
     json_output: Annotated[bool, typer.Option("--json", help="Print the capabilities as JSON.")] = False,
 ) -> None:
-    """Versions, device capabilities, TF32 flags, NVML, and the format the usual decision tree picks here."""
     from precprof import stats as st  # imports torch, which no other command but train and compare needs
 
     info = hardware.detect()
@@ -357,7 +362,7 @@ def env(
         typer.echo(f"  CUDA: {names.get(cuda, cuda)}{why}")
 
 
-@app.command(cls=_Command)
+@app.command(cls=_Command, help="Render (or re-render) report.html of a run directory.")
 def report(
     run_dir: Annotated[Path, typer.Argument(metavar="RUN_DIR", help="A run directory written by precprof.")],
     out: Annotated[
@@ -374,7 +379,6 @@ def report(
         ),
     ] = None,
 ) -> None:
-    """Render (or re-render) report.html of a run directory."""
     if not T.is_run_dir(run_dir):
         raise UserError(T.not_a_run_dir(run_dir))
     if target is not None and target.lower().strip() not in hardware.PRESET_NAMES:
@@ -399,7 +403,10 @@ def report(
     typer.echo(str(path))
 
 
-@app.command(cls=_Command)
+@app.command(
+    cls=_Command,
+    help="Train the same model, data and seed once per precision and compare the runs (compare.html); or compare run directories already recorded.",
+)
 @O.training_options(steps=200)
 def compare(
     runs: Annotated[
@@ -436,8 +443,6 @@ def compare(
     ] = 0.02,
     **options: Any,
 ) -> None:
-    """Train the same model, data and seed once per precision and compare the runs (compare.html); or compare
-    run directories already recorded."""
     if not 0 < tolerance < 1:
         raise UserError(f"--tolerance must be in (0, 1), got {tolerance}")
     if runs:
@@ -530,7 +535,10 @@ def _print_checks(comparison: comparing.Comparison) -> None:
         typer.echo(f"note: {note}")
 
 
-@app.command(cls=_Command)
+@app.command(
+    cls=_Command,
+    help="Write a run's loss, loss scale, skipped steps, exponent histograms and underflow/overflow shares to TensorBoard and/or wandb.",
+)
 def export(
     run_dir: Annotated[Path, typer.Argument(metavar="RUN_DIR", help="A run directory written by precprof.")],
     tensorboard: Annotated[
@@ -551,8 +559,6 @@ def export(
         ),
     ] = "auto",
 ) -> None:
-    """Write a run's loss, loss scale, skipped steps, exponent histograms and underflow/overflow shares to
-    TensorBoard and/or wandb."""
     which: Any = layers if layers in ("auto", "all", "none") else [p.strip() for p in layers.split(",")]
     n = exporting.export_run(
         run_dir, tensorboard=tensorboard, wandb_project=wandb_project, wandb_mode=wandb_mode, layers=which

@@ -958,6 +958,39 @@ def test_python_dash_m_and_exit_code() -> None:
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
 
 
+def test_the_commands_say_what_they_do_under_python_dash_OO() -> None:
+    """``python -OO`` strips docstrings, and typer took the commands' descriptions from them: ``precprof --help``
+    listed train, env, report, compare and export with nothing beside them, and ``precprof train --help`` had
+    no line saying what it does (the commands' texts are help= strings now)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"}
+    top = subprocess.run(
+        [sys.executable, "-OO", "-m", "precprof", "--help"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert top.returncode == 0, top.stderr
+    assert "Precision profiler for mixed-precision PyTorch training." in top.stdout
+    for command, says in [
+        ("train", "Train a model with the profiler attached"),
+        ("env", "Versions, device capabilities"),
+        ("report", "Render (or re-render) report.html"),
+        ("compare", "Train the same model, data and seed once per precision"),
+        ("export", "Write a run's loss, loss scale"),
+    ]:
+        (line,) = [ln for ln in top.stdout.splitlines() if f" {command} " in ln]
+        assert says in line, (command, line)
+    one = subprocess.run(
+        [sys.executable, "-OO", "-m", "precprof", "report", "--help"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert one.returncode == 0 and "Render (or re-render) report.html of a run directory." in one.stdout
+
+
 def test_train_and_compare_accept_the_same_training_options() -> None:
     """Every TrainConfig field the command line sets is an option of both commands, spelled alike; only the
     precision choice differs (one mode against a list)."""
