@@ -1789,3 +1789,33 @@ def test_a_resumed_runs_sampling_row_says_it_is_the_last_attempts(tmp_path: Path
     summary = T.read_summary(out)
     row = dict(capture_rows(summary[T.SUMMARY_CAPTURE], summary.get(T.SUMMARY_CONFIG) or {}))["steps sampled"]
     assert re.search(r": \d+ of 6 steps of the attempt resumed at step 3( \(|$)", row), row
+
+
+@pytest.mark.parametrize("every", [2, None])
+def test_a_resumed_runs_header_says_its_overhead_is_the_last_attempts(
+    tmp_path: Path, every: int | None
+) -> None:
+    """A resumed run's header said "precprof's overhead 6.4% of the run's time ... the 2 first steps": the
+    sampler's figures of its last attempt (the summary's), beside a count of sampled steps of every attempt, and
+    an environment row that says "of the attempt resumed at step 20" (tester t5). The header says whose they
+    are, as the environment does."""
+    from precprof.report.context import _headline
+
+    out = tmp_path / "run"
+    killed = tiny_run(out, 5, sample_every=every)  # (None: the default budget)
+    killed._owned_run.release()
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with precprof.Profiler(model, opt, sample_every=every, out=out, resume=True, first_step=3) as prof:
+        for step in range(3, 40):
+            train_step(model, opt, prof, step)
+    prof.save()
+    run = T.read_run(out)
+    summary = T.read_summary(out)
+    row = dict(_headline(summary, run.tables["steps"], run.tables["layers"])).get("precprof's overhead", "")
+    assert "the run's time" not in row, row
+    if row and not row.startswith("not measured"):  # a share said: whose
+        assert "of the time of the attempt resumed at step 3" in row, row
+    if every == 2:  # 19 sampled and 18 unsampled steps timed: the share is said
+        assert row and not row.startswith("not measured"), row

@@ -345,21 +345,27 @@ def _overhead(summary: Mapping[str, Any], tp: dict[str, Any]) -> str:
     steps than a sampled step's cost is measured from (``tp``, ``environment.overhead_withheld``, the rule the
     environment's "steps sampled" row keeps to), "not measured" and the counts: 2 sampled steps of a run cut
     short made 32.4% where the page withheld the cost of a sampled step. Where a
-    sampled step adds less than the steps' times vary (``within_noise``), "at most" and why."""
+    sampled step adds less than the steps' times vary (``within_noise``), "at most" and why. Of a resumed run,
+    the sampler's figures are its last attempt's (the summary's), and say so ("of the time of the attempt resumed
+    at step 20"), as the environment's "steps sampled" row does: "6.4% of the run's time ... the 2 first steps"
+    stood beside the sampled steps of every attempt (tester t5)."""
     capture = summary.get(T.SUMMARY_CAPTURE)
     sampling = capture.get("sampling") if isinstance(capture, Mapping) else None
     if not isinstance(sampling, Mapping):
         return ""
+    time_of = _time_of(capture if isinstance(capture, Mapping) else {})
     if isinstance(capture, Mapping) and capture.get("sampled_steps") == 0 and not tp["steps_timed_sampled"]:
         # nothing sampled (sample_every=0): the overhead is prof.step()'s own time on every step, measured on
         # the unsampled steps alone; "0 sampled steps timed: 3 needed" withheld a measured 2.42%
-        return _overhead_unsampled(sampling, tp)
+        return _overhead_unsampled(sampling, tp, time_of)
     share, budget = sampling.get("overhead"), sampling.get("budget")
     if not isinstance(share, (int, float)) or not math.isfinite(share) or share < 0:
         # no unsampled step timed (sample_every=1): no share, but a wait for the writer is said of the run's time
-        wait = writer_wait(capture, share_known=False) if isinstance(capture, Mapping) else ""
+        wait = (
+            writer_wait(capture, share_known=False, time_of=time_of) if isinstance(capture, Mapping) else ""
+        )
         return f"not measured ({_unmeasured(sampling, tp)}). {wait}" if wait else ""
-    text = f"{F.pct(float(share))} of the run's time"
+    text = f"{F.pct(float(share))} of {time_of}"
     said = []
     withheld = environment.overhead_withheld(tp)
     if withheld:
@@ -377,8 +383,22 @@ def _overhead(summary: Mapping[str, Any], tp: dict[str, Any]) -> str:
         said.append("an upper bound: a sampled step adds less than the steps' times vary")
     # sampled steps that waited for the run directory's writer: how much of precprof's time, and what to do
     # (of the run's time where precprof's share is withheld)
-    wait = writer_wait(capture, share_known=not withheld) if isinstance(capture, Mapping) else ""
+    wait = (
+        writer_wait(capture, share_known=not withheld, time_of=time_of)
+        if isinstance(capture, Mapping)
+        else ""
+    )
     return text + (f" ({'; '.join(said)})" if said else "") + (f". {wait}" if wait else "")
+
+
+def _time_of(capture: Mapping[str, Any]) -> str:
+    """Whose time the sampler's figures are a share of: the run's, or its last attempt's where it was resumed
+    (``capture.stream.resumed_from``)."""
+    stream = capture.get("stream")
+    resumed = stream.get("resumed_from") if isinstance(stream, Mapping) else None
+    if isinstance(resumed, int) and not isinstance(resumed, bool):
+        return f"the time of the attempt resumed at step {F.count(resumed)}"
+    return "the run's time"
 
 
 def _unmeasured(sampling: Mapping[str, Any], tp: Mapping[str, Any]) -> str:
@@ -389,7 +409,9 @@ def _unmeasured(sampling: Mapping[str, Any], tp: Mapping[str, Any]) -> str:
     return environment.overhead_withheld(tp) or "no unsampled step timed"
 
 
-def _overhead_unsampled(sampling: Mapping[str, Any], tp: Mapping[str, Any]) -> str:
+def _overhead_unsampled(
+    sampling: Mapping[str, Any], tp: Mapping[str, Any], time_of: str = "the run's time"
+) -> str:
     """precprof's overhead in a run that sampled no step: what ``prof.step()`` took on every step (the
     sampler's ``overhead_every_step``), "not measured" from fewer than ``MIN_STEPS`` unsampled steps timed, and
     "" where the summary predates the figure."""
@@ -400,7 +422,7 @@ def _overhead_unsampled(sampling: Mapping[str, Any], tp: Mapping[str, Any]) -> s
     every = sampling.get("overhead_every_step")
     if not isinstance(every, (int, float)) or not math.isfinite(every) or every < 0:
         return ""
-    return f"{F.pct(float(every))} of the run's time (no step sampled; prof.step() on every step {F.pct(float(every))})"
+    return f"{F.pct(float(every))} of {time_of} (no step sampled; prof.step() on every step {F.pct(float(every))})"
 
 
 def overhead_parts(sampling: Mapping[str, Any]) -> list[str]:

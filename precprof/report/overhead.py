@@ -98,7 +98,7 @@ def _design(events: bool, first: bool) -> str:
     return "the first step after each kind of event is sampled whatever the budget"
 
 
-def writer_wait(capture: Mapping[str, Any], share_known: bool = True) -> str:
+def writer_wait(capture: Mapping[str, Any], share_known: bool = True, time_of: str = "the run's time") -> str:
     """Where the training's thread waited for room in the queue of the run directory's writer
     (``capture.stream.waited_s``) for at least ``WRITER_WAIT_SAID`` of precprof's added time (the overhead's
     share of ``capture.sampling.run_s``): that share, and what to do, in words; "" otherwise (a run kept in
@@ -106,7 +106,7 @@ def writer_wait(capture: Mapping[str, Any], share_known: bool = True) -> str:
     unsampled step to measure it against) or not said (``share_known`` False: too few steps timed), the wait's
     share of the run's time, said from ``WRITER_WAIT_SAID`` of it (precprof's time is part of the run's, so the
     wait is then at least that share of precprof's too): a ``sample_every=1`` run that waited 244 s of its
-    342 s had said nothing."""
+    342 s had said nothing. ``time_of``: whose time that is (a resumed run's figures are its last attempt's)."""
     stream, sampling = _map(capture.get("stream")), _map(capture.get("sampling"))
     waited, overhead, run_s = (
         _number(v) for v in (stream.get("waited_s"), sampling.get("overhead"), sampling.get("run_s"))
@@ -121,7 +121,7 @@ def writer_wait(capture: Mapping[str, Any], share_known: bool = True) -> str:
     else:
         if not run_s > 0 or waited < WRITER_WAIT_SAID * run_s:
             return ""
-        of = f"{F.pct(min(1.0, waited / run_s))} of the run's time"
+        of = f"{F.pct(min(1.0, waited / run_s))} of {time_of}"
     n = int(_number(stream.get("waits")) or 0)
     text = (
         f"{of} was sampled steps waiting for the run directory's writer ({F.num(waited)} s in {F.count(n)} "
