@@ -734,6 +734,32 @@ def test_a_torn_last_part_is_skipped_with_a_notice(tmp_path: Path, monkeypatch: 
     assert "damaged and was skipped" in html and "up to step 3" in html and 'id="live"' in html
 
 
+def test_a_flush_the_writer_thread_was_writing_at_a_kill_loses_no_step_before_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Killed while its writer process still started, a run's own writer thread was writing a flush: its layers
+    and histograms parts were on disk, its steps part not, its memory part a ``.tmp`` (tester t5). That flush is
+    skipped whole, with a notice, and every step of the flushes before it is read (a regression guard: it held
+    already; the README says what such a kill loses)."""
+    monkeypatch.setattr(stream, "USE_PROCESS", False)  # the thread writes, as while the process starts
+    out = tmp_path / "run"
+    tiny_run(out, 5)  # detached, never saved: as a killed run leaves it
+    seg = parts.segments(out)[0].path
+    last = sorted(seg.glob("*.steps.parquet"))[-1].name.split(".")[0]
+    (seg / f"{last}.steps.parquet").unlink()
+    memory = seg / f"{last}.memory.parquet"
+    if memory.exists():
+        memory.rename(seg / f".{last}.memory.parquet.{os.getpid()}.tmp")
+    assert (seg / f"{last}.layers.parquet").exists() and (seg / f"{last}.histograms.parquet").exists()
+    read = T.read_run(out)
+    assert read.tables["steps"][T.STEP].tolist() == [0, 1, 2, 3]
+    assert sorted(set(read.tables["layers"][T.STEP])) == [0, 1, 2, 3]
+    assert sorted(set(read.tables["histograms"][T.STEP])) == [0, 1, 2, 3]
+    assert [n for n in read.notices if "cut off while it was written" in n], read.notices
+    html = pipeline.rerender(out).read_text()
+    assert "Traceback" not in html and "up to step 3" in html
+
+
 def test_a_resumed_run_equals_an_uninterrupted_one(tmp_path: Path) -> None:
     full, resumed, ckpt = tmp_path / "full", tmp_path / "resumed", tmp_path / "ckpt.pt"
     procs = [worker("full", full), worker("crash", resumed, ckpt)]

@@ -114,7 +114,8 @@ class Profiler(PartsAssembly, ProfilerResults, OptimizerSwitch):
             what-if may add (0.1).
         out: a run directory to stream into (a path, or a claimed ``precprof.rundir.RunDir``): each flush's rows
             go there as Parquet parts on a background thread (``capture.stream``): host memory stays bounded, and
-            a killed run keeps every step flushed before the kill. Claimed (checked, locked, a first summary.json
+            a killed run keeps every step whose flush reached the stream's writer process before the kill (not
+            those still queued in this process: README, "In your own training loop"). Claimed (checked, locked, a first summary.json
             written) at ``attach()``; ``save()`` and ``report()`` then default to it (while attached, a look at
             the steps so far: the stream goes on, the run stays "running"). Only the writer rank writes; other
             ranks keep their steps rows. None (the default): every row is kept in memory until ``save()``.

@@ -17,6 +17,12 @@ Invariants:
   training running ahead of the disk.
 - What is on disk is consistent at every moment: each part is atomic, and a flush's steps part is written
   last (it commits the flush; see ``precprof.parts``). A flush is held here until it is on disk.
+- What a kill (SIGKILL, the OOM killer) of the training's process keeps: every flush the process took whole
+  (its pipe holds a message written whole after its writer dies; it writes it, then exits). It loses what is
+  still here: the flush being handed over, those queued behind it (``max_queued``), and, while the process
+  starts (``_process_ready``: its imports, at niceness 19, take seconds on busy cores), the flush this thread
+  writes itself (its parts so far stay behind without their steps part: skipped whole when read) and those
+  queued behind it. Sending each flush on into the pipe at once would keep the queued ones too.
 - A failure to write (a full disk, a read-only file system, the process ended) never raises into training: the
   flush that failed and every later one are kept in memory instead (``unwritten``), ``error`` says why, and
   the tables still hold every row. The stream also stops while less than ``RESERVE_BYTES`` are free, so that

@@ -626,7 +626,7 @@ def _refuse_before_building(
 
 def _run(s: _Setup, callbacks: Sequence[Callback], claimed: rundir.RunDir | None, label: str) -> TrainResult:
     """The steps and the end of the run, on a claimed run directory (the writer's ``claimed``): the Profiler
-    streams each flush into it, so a killed run keeps every step flushed before the kill. ``label``: the run's
+    streams each flush into it, so a killed run keeps every step whose flush reached the writer. ``label``: the run's
     name in the progress lines, after the model's."""
     config, model, optimizer, device, data = s.config, s.model, s.optimizer, s.device, s.data
     params = [p for group in optimizer.param_groups for p in group["params"]]
