@@ -1795,6 +1795,46 @@ def test_a_resumed_run_goes_on_thinning_from_its_earlier_attempts(
     assert T.read_summary(out)["capture"]["sampling"]["thinned"]["after"] == 3
 
 
+def _spiking_run(out: Path, steps: range, spike: int, **kw: object) -> precprof.Profiler:
+    """The tiny run's ``steps`` under the budget, a loss 50 times its own handed to ``prof.step`` at ``spike``."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with precprof.Profiler(model, opt, out=out, first_step=steps[0], memory=False, **kw) as prof:  # type: ignore[arg-type]
+        for step in steps:
+            loss = model(torch.randn(4, 8, generator=torch.Generator().manual_seed(step))).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            prof.step(loss=loss.detach() * (50 if step == spike else 1))
+    return prof
+
+
+def test_a_loss_spike_right_after_a_resume_is_sampled(tmp_path: Path) -> None:
+    """A loss spike is called against the recent losses (``SPIKE_MIN`` of them at least): a run resumed at step
+    12 started with none, so a spike at step 14 went unsampled where the uninterrupted run sampled step 15 for
+    it (tester t5). The attempt's window starts with the earlier attempts' losses of the steps before it."""
+    from precprof.capture import sampling as S
+
+    full = _spiking_run(tmp_path / "full", range(18), spike=14)
+    assert _sample_reasons(full).get(15) == S.REASON_SPIKE
+    out = tmp_path / "run"
+    killed = _spiking_run(out, range(13), spike=-1)  # preempted at step 13, its checkpoint at step 12
+    killed._owned_run.release()
+    earlier = killed.tables()["steps"]
+    resumed = _spiking_run(out, range(12, 18), spike=14, resume=True)
+    window = list(resumed._sampler._losses)
+    assert window[:12] == earlier[T.LOSS].iloc[:12].tolist()  # then the attempt's own
+    assert _sample_reasons(resumed).get(15) == S.REASON_SPIKE
+    steps = T.read_tables(out)["steps"]
+    assert steps.loc[steps[T.STEP] == 15, T.SAMPLE_REASON].tolist() == [S.REASON_SPIKE]
+
+
+def _sample_reasons(prof: precprof.Profiler) -> dict[int, str]:
+    steps = prof.tables()["steps"]
+    return {int(s): r for s, r in zip(steps[T.STEP], steps[T.SAMPLE_REASON], strict=True) if r}
+
+
 @pytest.mark.parametrize("every", [None, 1])
 def test_a_resumed_runs_sampling_row_says_it_is_the_last_attempts(tmp_path: Path, every: int | None) -> None:
     """A run resumed at step 800: the header said 107 sampled steps (the run's), the sampling row "14 of 2,200

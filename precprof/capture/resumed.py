@@ -4,7 +4,8 @@ recorded again, and supersede theirs):
 
 - the dashboards, their skipped count (the killed job's points from the restart on are dropped);
 - the reducer, their sampled steps (``sampled_steps_reduced`` counts the run's, not this process's);
-- the budget's thinning and spacing, their budgeted samples (``Sampler.resumed``);
+- the budget's thinning and spacing, their budgeted samples, and the recent losses a loss spike is called against,
+  their finished steps' (``Sampler.resumed``);
 - which parameters had gradients on their sampled steps (``TrainedSeen.resumed``): a layer trained in an earlier
   attempt and frozen in the last was called frozen throughout (summary.json's ``modules[].frozen``), with no
   "had gradients on sampled steps" label, the capture's word being the last attempt's alone.
@@ -17,11 +18,12 @@ import contextlib
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from precprof import parts
 from precprof import tables as T
-from precprof.capture.sampling import REASON_BUDGET, Sampler
+from precprof.capture.sampling import REASON_BUDGET, SPIKE_WINDOW, Sampler
 from precprof.capture.trainable import TrainedSeen
 
 
@@ -30,6 +32,16 @@ def _table(read: parts.StreamRead, name: str, first_step: int) -> pd.DataFrame:
     table = parts.concat(read.tables.get(name) or [])
     kept = table.to_pandas() if table is not None else pd.DataFrame()
     return kept[kept[T.STEP] < first_step] if not kept.empty else kept
+
+
+def _losses(steps: pd.DataFrame) -> list[float]:
+    """The finite losses of the finished steps of ``steps``, in step order, as the sampler saw them (the last
+    ``SPIKE_WINDOW``)."""
+    if steps.empty or T.LOSS not in steps:
+        return []
+    done = T.given_losses(T.finished_steps(steps)).sort_values(T.STEP)
+    loss = pd.to_numeric(done[T.LOSS], errors="coerce").to_numpy(dtype=float)
+    return [float(x) for x in loss[np.isfinite(loss)][-SPIKE_WINDOW:]]
 
 
 def go_on_from(
@@ -51,8 +63,13 @@ def go_on_from(
         kept = _table(read, "steps", first_step)
         if reducer is not None and T.SAMPLED in kept:
             reducer.earlier_samples = int(T.flags(kept[T.SAMPLED]).sum())
-        if sampler.budgeted and T.SAMPLE_REASON in kept:  # (each attempt began its 200 dense ones)
-            sampler.resumed(kept.loc[T.texts(kept[T.SAMPLE_REASON]) == REASON_BUDGET, T.STEP])
+        if sampler.budgeted:  # (each attempt began its 200 dense ones, and its loss window empty)
+            budgeted = (
+                kept.loc[T.texts(kept[T.SAMPLE_REASON]) == REASON_BUDGET, T.STEP]
+                if T.SAMPLE_REASON in kept
+                else ()
+            )
+            sampler.resumed(budgeted, _losses(kept))
         if dashboards is not None:
             dashboards.resumed(kept, first_step)
     if read is not None:

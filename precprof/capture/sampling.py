@@ -229,13 +229,18 @@ class Sampler:
         elif past > 0 and past % THIN_EVERY == 0:
             self.thin_gap *= 2
 
-    def resumed(self, budgeted: Any) -> None:
+    def resumed(self, budgeted: Any, losses: Any = ()) -> None:
         """The steps the earlier attempts of a resumed run sampled within the budget: the thinning goes on from
         theirs (each attempt took its ``DENSE_SAMPLES`` at the budget's pace: a run resumed every few hours, as a
-        preemptible job is, never thinned), and the spacing from the last of them."""
+        preemptible job is, never thinned), and the spacing from the last of them. ``losses``: the finite losses
+        of their finished steps, in step order: a loss spike is called against them (the attempt's window
+        started empty, and a spike in its first ``SPIKE_MIN`` steps went unsampled). The other events need no
+        history: a non-finite loss or a skipped step is the step's own, and the first of each kind in an
+        attempt is sampled, as its first steps are."""
         for step in sorted(int(s) for s in budgeted):
             self._thin(step)
             self._last_budget = step
+        self._losses.extend(float(x) for x in losses if math.isfinite(x))
 
     def _spacing(self) -> int:
         """The fewest steps between two budgeted samples: ``SPACING`` times the gap at which sampled steps spend
