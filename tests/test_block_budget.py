@@ -479,3 +479,62 @@ def test_a_plan_the_turns_did_not_cover_counts_and_names_every_linear_layer(tmp_
     )
     assert controls == prof.summary()["block_formats"]["control_steps"]  # the step begun and never run: none
     assert turns in page and "exactly)" not in page
+
+
+def _steps(out: Path, steps: range, **kw: object) -> Profiler:
+    """``_run``'s training over ``steps`` into the run directory ``out``, one layer a group (a tight budget)."""
+    torch.manual_seed(0)
+    model = Stack()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    prof = Profiler(
+        model, optimizer=opt, sample_every=1, memory=False, block_formats=True, block_budget=1e-9, out=out,
+        first_step=steps[0], **kw,  # type: ignore[arg-type]
+    )  # fmt: skip
+    with prof:
+        for step in steps:
+            opt.zero_grad(set_to_none=True)
+            model(
+                torch.randn(16, 32, generator=torch.Generator().manual_seed(step))
+            ).square().mean().backward()
+            opt.step()
+            prof.step()
+    return prof
+
+
+def test_a_resumed_run_goes_on_with_the_layers_its_turns_had_not_reached(tmp_path: Path) -> None:
+    """A run resumed at step 4 started its turns over: its steps 4, 5 and 7 evaluated the groups of steps 0, 1
+    and 3, and two of the layers never, and its report said "each over 2 of the 8 sampled steps" in the finding
+    beside "2 of the 4 linear layers were evaluated, each on at most 1 sampled step" in the what-if table and the
+    Environment (tester t5). The turns go on from what the earlier attempts evaluated (the layer they had not
+    reached first), and the coverage counts every attempt's sampled steps, as the finding does."""
+    from precprof.analysis.advisor import recommend
+
+    out = tmp_path / "run"
+    killed = _steps(out, range(6))  # preempted after step 5, its checkpoint at step 4
+    killed._owned_run.release()
+    assert _evaluated(killed) == {0: {"layers.0"}, 1: {"layers.1"}, 3: {"layers.2"}, 5: {"layers.3"}}
+    prof = _steps(out, range(4, 8), resume=True)
+    prof.save()
+    layers = T.read_tables(out)["layers"]
+    w = layers[(layers[T.TENSOR] == T.WEIGHT) & layers[T.BLOCK_COLUMNS[0]].notna()]
+    seen = {int(s): set(g[T.MODULE]) for s, g in w.groupby(T.STEP)}
+    # 0-3 the killed attempt's; from 4 on the one its turns had not reached, then in turn from the first
+    assert seen == {
+        0: {"layers.0"},
+        1: {"layers.1"},
+        3: {"layers.2"},
+        4: {"layers.3"},
+        5: {"layers.0"},
+        7: {"layers.1"},
+    }
+    per_layer = w.groupby(T.MODULE)[T.STEP].nunique()
+    desc = prof.summary()["block_formats"]
+    assert (desc["layers"], desc["layers_evaluated"]) == (4, 4)
+    assert desc["evaluations"] == [int(per_layer.min()), int(per_layer.max())] == [1, 2]
+    assert desc["control_steps"] == 2  # steps 2 and 6, one of each attempt
+    text = _block_setting(desc)
+    assert "4 of 4 linear layers evaluated, each on 1 to 2 sampled steps" in text, text
+    f = recommend(out, hardware="b200").finding("block_format_plan")
+    assert f is not None and "each over 1 to 2 of the 8 sampled steps" in f.message, f.message
+    page = pipeline.rerender(out, target="b200").read_text()
+    assert "each was evaluated on 1 to 2 sampled steps; 2 sampled steps evaluated none" in page

@@ -232,6 +232,11 @@ class BlockDeal:
         # the layers whose forward ran on a sampled step (nn.MultiheadAttention's out_proj never does: the
         # attention reads its weight as a function's): those the coverage counts, as the advisor's plan does
         self.ran: set[str] = set()
+        # a resumed run's earlier attempts (``resumed``): per layer the sampled steps that evaluated it, and those
+        # that evaluated none; their turns go on from these
+        self._earlier: dict[str, int] = {}
+        self._earlier_controls = 0
+        self._offered: dict[str, int] = {}  # layer -> turns its group had in this process (ran or not)
 
     @property
     def groups(self) -> int:
@@ -253,6 +258,16 @@ class BlockDeal:
             groups = self.budget.groups
         self.loads = plan.deal_block_groups(groups)
 
+    def resumed(self, evaluated: dict[str, int], evaluating: int, controls: int) -> None:
+        """What the earlier attempts of a resumed run evaluated, from their tables: per layer on how many sampled
+        steps (``evaluated``), how many sampled steps evaluated a group (``evaluating``) and how many none
+        (``controls``). The turns go on from them (``next_turn``: a resumed attempt started them over, and
+        evaluated the first groups again and the last never), and the coverage counts them (``describe``). The
+        control steps and the budget's measures stay this process's own: its timer and its speed."""
+        self._earlier = {name: int(n) for name, n in evaluated.items() if n > 0}
+        self._rotation = max(0, int(evaluating))
+        self._earlier_controls = max(0, int(controls))
+
     def next_turn(self) -> int:
         """The group the sampled step beginning now evaluates (``CONTROL_TURN``: none, a control step)."""
         k = self._samples
@@ -260,9 +275,22 @@ class BlockDeal:
         if self.budget.adaptive and self._slots and is_control(k):
             self.turn = CONTROL_TURN
             return self.turn
-        self.turn = self._rotation % self.groups
+        self.turn = self._least_covered() if self._earlier and self._slots else self._rotation % self.groups
         self._rotation += 1
         return self.turn
+
+    def _least_covered(self) -> int:
+        """A resumed run's turn: the group whose least evaluated layer, over every attempt, was evaluated least
+        (the earlier attempts' evaluations and this one's turns), ties to the next in rotation. Where the groups
+        stay the same, the rotation the run would have had uninterrupted, once the turns have caught up."""
+        groups = self.groups
+        least = [math.inf] * groups
+        for slot in self._slots:
+            g = slot.block_group
+            if 0 <= g < groups:
+                least[g] = min(least[g], self._earlier.get(slot.name, 0) + self._offered.get(slot.name, 0))
+        start = self._rotation % groups
+        return min(range(groups), key=lambda g: (least[g], (g - start) % groups))
 
     def count_turn(self) -> None:
         """The sampled step that began with ``next_turn`` recorded its statistics: its group's layers were
@@ -273,6 +301,9 @@ class BlockDeal:
         if self.turn == CONTROL_TURN:
             self.control_steps += 1
             return
+        for slot in self._slots:
+            if slot.block_group == self.turn:
+                self._offered[slot.name] = self._offered.get(slot.name, 0) + 1
         for slot in ran:
             if slot.block_group == self.turn:
                 self.turns[slot.name] = self.turns.get(slot.name, 0) + 1
@@ -280,10 +311,10 @@ class BlockDeal:
     def describe(self) -> dict[str, Any]:
         """The ``block_formats`` entry of the capture summary: the budget's, and how many layers the sampled
         steps covered and how often (``layers``, ``layers_evaluated``, ``evaluations``: fewest and most sampled
-        steps that evaluated a layer)."""
+        steps that evaluated a layer), a resumed run's over every attempt (``resumed``)."""
         out = self.budget.describe()
         if self.budget.adaptive:
-            out["control_steps"] = self.control_steps
+            out["control_steps"] = self.control_steps + self._earlier_controls
             out["timer_factor"] = self.calibration.factor
             out["timer_factor_measured"] = self.calibration.told
         # linear layers apart from the embeddings whose weight a tied head reads (a GPT-2's 9 and 2: the report
@@ -291,8 +322,12 @@ class BlockDeal:
         # (and those whose forward ran on a sampled step: a linear layer none ran, the out_proj of an
         # nn.MultiheadAttention, read "7 of 7 linear layers evaluated" beside the plan's 5 linear layers)
         linear = {s.name for s in self._slots if taxonomy.is_linear_type(s.module_type)}
-        counts = [c for name, c in self.turns.items() if name in linear and name in self.ran]
-        others = [c for name, c in self.turns.items() if name not in linear and name in self.ran]
+        turns = dict(self.turns)
+        for name, n in self._earlier.items():
+            turns[name] = turns.get(name, 0) + n
+        ran = self.ran | set(self._earlier)
+        counts = [c for name, c in turns.items() if name in linear and name in ran]
+        others = [c for name, c in turns.items() if name not in linear and name in ran]
         out["layers"] = len(counts)
         out["layers_evaluated"] = sum(c > 0 for c in counts)
         out["evaluations"] = [min(counts), max(counts)] if counts else [0, 0]

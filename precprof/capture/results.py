@@ -176,7 +176,11 @@ class ProfilerResults:
         (``capture.resumed``)."""
         reducer = self._reducer if hasattr(self._reducer, "earlier_samples") else None
         dashboards = getattr(self, "_dashboards", None)
-        resumed.go_on_from(path, self._first_step, self._sampler, reducer, dashboards, self._loop.trained)
+        # (the block turns: not under torch.distributed, where the other ranks, which read nothing, take them too)
+        blocks = self._blocks if self._block_formats and self._reducer is None else None
+        resumed.go_on_from(
+            path, self._first_step, self._sampler, reducer, dashboards, self._loop.trained, blocks
+        )
 
     def _close_stream(self) -> None:
         sink = self._recorded.sink

@@ -8,7 +8,11 @@ recorded again, and supersede theirs):
   their finished steps' (``Sampler.resumed``);
 - which parameters had gradients on their sampled steps (``TrainedSeen.resumed``): a layer trained in an earlier
   attempt and frozen in the last was called frozen throughout (summary.json's ``modules[].frozen``), with no
-  "had gradients on sampled steps" label, the capture's word being the last attempt's alone.
+  "had gradients on sampled steps" label, the capture's word being the last attempt's alone;
+- which layers the block-format what-if evaluated, on how many sampled steps, and how many sampled steps evaluated
+  none (``BlockDeal.resumed``): the turns go on with the layers not yet covered, and the coverage the summary
+  states counts every attempt, as the findings do (from the tables). Not under torch.distributed, where only the
+  writer rank reads the stream and every rank must take the same turns.
 
 Never at the cost of the attach: a stream that cannot be read leaves each as a fresh run has it."""
 
@@ -23,8 +27,13 @@ import pandas as pd
 
 from precprof import parts
 from precprof import tables as T
+from precprof.capture.block_budget import BlockDeal
 from precprof.capture.sampling import REASON_BUDGET, SPIKE_WINDOW, Sampler
 from precprof.capture.trainable import TrainedSeen
+
+# the block statistic whose presence says a row was evaluated (the recipes and orientations are evaluated together,
+# and every evaluated row has a "row" orientation): one column of the seventy
+_EVALUATED = T.block_col(T.BLOCK_RECIPES[0], "flushed", "row")
 
 
 def _table(read: parts.StreamRead, name: str, first_step: int) -> pd.DataFrame:
@@ -44,12 +53,41 @@ def _losses(steps: pd.DataFrame) -> list[float]:
     return [float(x) for x in loss[np.isfinite(loss)][-SPIKE_WINDOW:]]
 
 
+def _block_turns(blocks: BlockDeal, steps: pd.DataFrame, layers: pd.DataFrame) -> None:
+    """What the earlier attempts' sampled steps evaluated of the block formats (``steps`` and ``layers``: their
+    rows), handed to ``blocks``: a layer was evaluated on a step where its own operands (its weight, its output
+    gradient) hold block statistics; a finished sampled step with none on any row evaluated none."""
+    if layers.empty or _EVALUATED not in layers:
+        return
+    hit = layers[_EVALUATED].notna().to_numpy()
+    if not hit.any():  # (the what-if was off)
+        return
+    step = pd.to_numeric(layers[T.STEP], errors="coerce").to_numpy()
+    own = hit & T.texts(layers[T.TENSOR]).isin((T.WEIGHT, T.ACTIVATION_GRAD)).to_numpy()
+    pairs = pd.DataFrame({"m": T.texts(layers[T.MODULE])[own].astype(str).to_numpy(), "s": step[own]})
+    evaluated = pairs.drop_duplicates().groupby("m")["s"].size()
+    evaluating = set(step[hit].tolist())
+    controls = 0
+    if T.SAMPLED in steps:
+        done = T.finished_steps(steps)
+        sampled = pd.to_numeric(done.loc[T.flags(done[T.SAMPLED]).to_numpy(), T.STEP], errors="coerce")
+        controls = sum(s not in evaluating for s in sampled.tolist())
+    blocks.resumed({str(m): int(n) for m, n in evaluated.items()}, len(evaluating), controls)
+
+
 def go_on_from(
-    path: Path, first_step: int, sampler: Sampler, reducer: Any, dashboards: Any, trained: TrainedSeen
+    path: Path,
+    first_step: int,
+    sampler: Sampler,
+    reducer: Any,
+    dashboards: Any,
+    trained: TrainedSeen,
+    blocks: BlockDeal | None = None,
 ) -> None:
     """Hand the earlier attempts' steps of the run directory ``path`` to each (the module docstring); ``reducer``
-    and ``dashboards``: None where the run has none."""
-    read = None
+    and ``dashboards``: None where the run has none; ``blocks``: None where the turns are not to go on (the
+    what-if off, torch.distributed)."""
+    read, kept = None, pd.DataFrame()
     with contextlib.suppress(Exception):
         # (of the layers table only what TrainedSeen reads, its text columns as dictionaries: all of a long run's
         # hundred columns took 28 s and 2.5 GB at the attach, 1.2M rows of a 48-layer model's 500 sampled steps)
@@ -58,7 +96,7 @@ def go_on_from(
             ("steps", "layers"),
             T.STEP,
             dictionary={"layers": (T.MODULE, T.PARAM, T.TENSOR)},
-            columns={"layers": (T.STEP, T.MODULE, T.PARAM, T.TENSOR, T.CALLS)},
+            columns={"layers": (T.STEP, T.MODULE, T.PARAM, T.TENSOR, T.CALLS, _EVALUATED)},
         )
         kept = _table(read, "steps", first_step)
         if reducer is not None and T.SAMPLED in kept:
@@ -73,5 +111,10 @@ def go_on_from(
         if dashboards is not None:
             dashboards.resumed(kept, first_step)
     if read is not None:
+        layers = pd.DataFrame()
         with contextlib.suppress(Exception):
-            trained.resumed(_table(read, "layers", first_step))
+            layers = _table(read, "layers", first_step)
+            trained.resumed(layers)
+        if blocks is not None:
+            with contextlib.suppress(Exception):
+                _block_turns(blocks, kept, layers)
