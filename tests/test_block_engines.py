@@ -357,7 +357,7 @@ def test_block_groups_take_turns_and_give_the_same_numbers(block_formats_on: Non
         "layers_evaluated": 2,
         "evaluations": [2, 2],  # each on 2 of the 4 sampled steps
     }
-    with pytest.raises(ValueError, match="block_groups must be >= 1"):
+    with pytest.raises(ValueError, match=r"Profiler\(block_groups=0\): expected a whole number >= 1"):
         Profiler(MLP(), block_groups=0)
 
 

@@ -656,6 +656,91 @@ def test_a_profiler_of_something_else_is_one_line_naming_it(model: Any, optimize
     assert said in str(e.value) and "\n" not in str(e.value)
 
 
+def _tiny_run(prof: precprof.Profiler, model: nn.Module, opt: torch.optim.Optimizer, steps: int = 2) -> None:
+    with prof:
+        for step in range(steps):
+            torch.manual_seed(step)
+            loss = nn.functional.cross_entropy(model(torch.randn(8, 16)), torch.randint(0, 4, (8,)))
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            prof.step(loss=loss.detach())
+
+
+def _mlp4() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.Linear(32, 4))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+@pytest.mark.parametrize("spec", ["1*", nn.GELU])
+def test_one_module_pattern_or_type_alone_is_that_one_not_its_characters(spec: Any) -> None:
+    """``modules="1*"`` was iterated as the patterns "1" and "*", and "*" selected every module, silently."""
+    model, opt = _mlp4()
+    prof = precprof.Profiler(model, opt, sample_every=1, memory=False, modules=spec)
+    _tiny_run(prof, model, opt)
+    assert sorted(set(prof.tables()["layers"][T.MODULE])) == ["1"]
+
+
+@pytest.mark.parametrize(
+    ("kw", "error", "said"),
+    [
+        ({"modules": [3]}, TypeError, "Profiler(modules=[3]): 3 is neither a name pattern"),
+        ({"modules": []}, ValueError, "Profiler(modules=[]): selects no module; leave it out (None)"),
+        ({"sample_every": 1.5}, TypeError, "Profiler(sample_every=1.5): expected a whole number >= 0"),
+        ({"sample_every": "2"}, TypeError, "Profiler(sample_every='2'): expected a whole number >= 0"),
+        ({"sample_every": True}, TypeError, "Profiler(sample_every=True): expected a whole number >= 0"),
+        ({"update_sample": 0}, ValueError, "Profiler(update_sample=0): expected a whole number >= 1"),
+        ({"update_sample": 2.5}, TypeError, "Profiler(update_sample=2.5): expected a whole number >= 1"),
+        ({"update_sample": -5}, ValueError, "Profiler(update_sample=-5): expected a whole number >= 1"),
+        ({"first_step": -1}, ValueError, "Profiler(first_step=-1): expected a whole number >= 0"),
+        ({"reducer": "bogus"}, TypeError, "Profiler(reducer='bogus'): expected 'auto' (ranks combined"),
+        ({"scaler": "dynamic"}, TypeError, "Profiler(scaler='dynamic'): expected a torch.amp.GradScaler"),
+        (
+            {"overhead_budget": "3%"},
+            TypeError,
+            "Profiler(overhead_budget='3%'): expected a finite number > 0",
+        ),
+        ({"chunk": -1}, ValueError, "Profiler(chunk=-1): expected a whole number >= 0"),
+        ({"memory": "no"}, TypeError, "Profiler(memory='no'): expected True or False"),
+        ({"loss_scale": "1024"}, TypeError, "Profiler(loss_scale='1024'): expected a finite number > 0"),
+    ],
+)
+def test_a_profiler_argument_it_cannot_take_is_one_line_at_construction(
+    kw: dict[str, Any], error: type[Exception], said: str, tmp_path: Path
+) -> None:
+    """Each was accepted (``sample_every=1.5`` sampled steps 0 and 3, ``update_sample=-5``, ``first_step=-1``
+    numbered steps from -1, ``scaler="dynamic"`` ignored) or failed deep in the first sampled step
+    (``update_sample=0``: a ZeroDivisionError in records.py; ``reducer="bogus"`` an AttributeError that left
+    ``out`` "running"). Refused where it is given, before anything is claimed or hooked."""
+    model, opt = _mlp4()
+    with pytest.raises(error) as e:
+        precprof.Profiler(model, opt, out=tmp_path / "run", **kw)
+    assert str(e.value).startswith(said) and "\n" not in str(e.value)
+    assert not (tmp_path / "run").exists() and not _hooks_left(model)
+
+
+def test_the_arguments_a_profiler_takes_as_documented_are_taken() -> None:
+    """What the checks let through: numpy integers, 0 and 1 for a flag, None where it means the default."""
+    model, opt = _mlp4()
+    prof = precprof.Profiler(
+        model,
+        opt,
+        sample_every=np.int64(1),
+        update_sample=np.int64(64),
+        memory=0,
+        chunk=0,
+        modules=("0", nn.Linear),
+        reducer=None,
+        block_groups=None,
+        first_step=3,
+    )
+    _tiny_run(prof, model, opt)
+    steps = prof.tables()["steps"]
+    assert steps[T.STEP].tolist() == [3, 4] and steps[T.SAMPLED].all()
+    assert sorted(set(prof.tables()["layers"][T.MODULE])) == ["0", "0:input", "2", "2:input", "3"]
+
+
 def test_a_parameter_frozen_at_attach_and_unfrozen_later_is_read_once_it_trains() -> None:
     """Gradual unfreezing: the first layer frozen when the Profiler attaches, unfrozen at step 2. Its gradient
     and its updates were never read (the rows were planned at attach for the parameters requiring grad then),

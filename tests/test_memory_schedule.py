@@ -79,7 +79,9 @@ def test_the_cadence_counts_sampled_steps_only() -> None:
 
 @pytest.mark.parametrize("bad", [0, -1, True, 2.5, "4"])
 def test_a_bad_memory_every_is_one_clear_error(bad: object) -> None:
-    with pytest.raises(ValueError, match=r"memory_every must be an integer >= 1"):
+    with pytest.raises(
+        (TypeError, ValueError), match=r"Profiler\(memory_every=.*\): expected a whole number >= 1"
+    ):
         Profiler(_mlp(), memory_every=bad)  # type: ignore[arg-type]
 
 

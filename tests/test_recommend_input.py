@@ -66,3 +66,14 @@ def test_an_empty_table_is_a_fresh_one_each_time_and_a_runs_memo_is_its_own() ->
     assert a.memo("k", lambda: calls.append(1) or 1) == 1 and a.memo("k", lambda: calls.append(2) or 2) == 1
     assert b.memo("k", lambda: calls.append(3) or 3) == 3
     assert calls == [1, 3]
+
+
+def test_a_config_that_is_no_advisor_config_is_refused_in_one_line() -> None:
+    """``config={"small_model_params": 1}`` was an AttributeError from deep in the advisor."""
+    tables = {name: T.empty(name) for name in T.TABLES}
+    with pytest.raises(TypeError) as e:
+        precprof.recommend(tables, config={"small_model_params": 1})  # type: ignore[arg-type]
+    assert str(e.value) == (
+        "recommend(config=...) takes a precprof.analysis.advisor.AdvisorConfig or None (the defaults), not dict: "
+        "pass config=AdvisorConfig(**{'small_model_params': 1})"
+    )

@@ -35,13 +35,12 @@ from torch import nn
 from precprof import _compat, _signals, clipwatch, rundir
 from precprof import stats as st
 from precprof import tables as T
-from precprof.capture import attached, given, unsaved
+from precprof.capture import arguments, attached, given, unsaved
 from precprof.capture.assembly import PartsAssembly
 from precprof.capture.block_budget import DEFAULT_SHARE, BlockDeal
 from precprof.capture.collect import Collector
 from precprof.capture.hooks import StepHooks
 from precprof.capture.loop_order import LoopOrder
-from precprof.capture.memory_schedule import check_every
 from precprof.capture.optimizer_switch import OptimizerSwitch
 from precprof.capture.plan import CapturePlan, ModuleFilter, block_formats_from_env
 from precprof.capture.recorded import Recorded
@@ -71,7 +70,7 @@ class Profiler(PartsAssembly, ProfilerResults, OptimizerSwitch):
         overhead_budget: with ``sample_every=None``, the share of the run's time precprof may add (0.03).
         modules: which modules to capture — None: every leaf module plus every module that owns parameters
             directly; otherwise a list of qualified-name patterns (``fnmatch``, e.g. ``"transformer.h.*.mlp.*"``)
-            and/or module types.
+            and/or module types (``nn.Module`` subclasses); one pattern or type alone is that one.
         memory: track memory per component (``precprof.capture.memory_tracker``) on sampled steps.
         memory_every: which sampled steps measure memory: the first two, every ``memory_every``-th after them,
             and any whose model inputs have shapes no measured step had, from its forward on
@@ -148,7 +147,7 @@ class Profiler(PartsAssembly, ProfilerResults, OptimizerSwitch):
         *,
         sample_every: int | None = None,
         overhead_budget: float = DEFAULT_BUDGET,
-        modules: ModuleFilter = None,
+        modules: ModuleFilter | str | type[nn.Module] = None,
         memory: bool = True,
         memory_every: int = 4,
         memory_peak: bool | None = None,
@@ -169,21 +168,33 @@ class Profiler(PartsAssembly, ProfilerResults, OptimizerSwitch):
         overwrite: bool = False,
         compile_beside: bool = True,
     ) -> None:
-        if sample_every is not None and sample_every < 0:
-            raise ValueError("sample_every must be >= 0 (0 records steps only) or None (an overhead budget)")
-        if not (overhead_budget > 0 and math.isfinite(overhead_budget)):
-            raise ValueError(f"overhead_budget must be a number > 0, got {overhead_budget!r}")
-        if block_groups is not None and block_groups < 1:
-            raise ValueError(f"block_groups must be >= 1 or None, got {block_groups}")
-        if not (block_budget > 0 and math.isfinite(block_budget)):
-            raise ValueError(f"block_budget must be a number > 0, got {block_budget!r}")
-        if loss_scale is not None:
-            if scaler is not None:
-                raise ValueError(
-                    "loss_scale declares a manual static loss scale; with a GradScaler leave it out"
-                )
-            if not (math.isfinite(loss_scale) and loss_scale > 0):
-                raise ValueError(f"loss_scale must be a finite number > 0, got {loss_scale!r}")
+        # every argument checked before anything is claimed or hooked: one line naming the one that is wrong
+        a = arguments.checked(
+            {
+                "scaler": scaler,
+                "sample_every": sample_every,
+                "overhead_budget": overhead_budget,
+                "modules": modules,
+                "memory": memory,
+                "memory_every": memory_every,
+                "memory_peak": memory_peak,
+                "reset_peak_memory": reset_peak_memory,
+                "weight_updates": weight_updates,
+                "update_sample": update_sample,
+                "chunk": chunk,
+                "first_step": first_step,
+                "reducer": reducer,
+                "loss_scale": loss_scale,
+                "block_formats": block_formats,
+                "block_groups": block_groups,
+                "block_budget": block_budget,
+                "resume": resume,
+                "overwrite": overwrite,
+                "compile_beside": compile_beside,
+            }
+        )
+        sample_every, first_step = a["sample_every"], a["first_step"]
+        update_sample, chunk, block_groups = a["update_sample"], a["chunk"], a["block_groups"]
         self.model = given.checked_model(model)
         # several optimizers (Muon for the matrices and AdamW for the rest, say): each samples its own parameters
         self.optimizers = given.given_optimizers(optimizer)
@@ -193,9 +204,9 @@ class Profiler(PartsAssembly, ProfilerResults, OptimizerSwitch):
         self.loss_scale = float(loss_scale) if loss_scale is not None else None
         self.sample_every = sample_every
         self.overhead_budget = float(overhead_budget)
-        self.module_filter = modules
+        self.module_filter: ModuleFilter = a["modules"]  # one pattern or type alone: a list of it
         self.memory_enabled = memory
-        self.memory_every = check_every(memory_every)
+        self.memory_every = memory_every
         self.memory_peak = memory_peak
         self.reset_peak_memory = reset_peak_memory
         self.weight_updates = weight_updates and optimizer is not None

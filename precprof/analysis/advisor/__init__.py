@@ -131,8 +131,15 @@ def recommend(
     ``tables_or_run_dir``: a run directory, a dict of the four tables (``Profiler.tables()``), or a Profiler.
     ``hardware``: None plans for the machine the run was recorded on (summary["hardware"], else this one); a
     preset name ("v100", "t4", "a100", "l4", "h100", "b200", "gb200", "cpu") or a ``HardwareInfo`` plans for that target.
-    ``summary``: summary.json's content (read from the run directory when omitted). Pure host-side pandas work.
+    ``config``: an ``AdvisorConfig`` (its thresholds; None: the defaults). ``summary``: summary.json's content
+    (read from the run directory when omitted). Pure host-side pandas work.
     """
+    if config is not None and not isinstance(config, AdvisorConfig):
+        fix = f"AdvisorConfig(**{config!r:.60})" if isinstance(config, Mapping) else "AdvisorConfig(...)"
+        raise TypeError(
+            f"recommend(config=...) takes a precprof.analysis.advisor.AdvisorConfig or None (the defaults), not "
+            f"{type(config).__name__}: pass config={fix}"
+        )
     cfg = config or AdvisorConfig()
     tables, summ = _load(tables_or_run_dir, summary)
     layers, hist, steps = _prepare(tables)

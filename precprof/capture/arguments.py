@@ -1,0 +1,175 @@
+"""The checks of ``Profiler``'s arguments, at its construction (before anything is claimed or hooked), and of the
+callbacks' Profiler arguments at theirs (``precprof.integrations``): a value of the wrong type or out of range is
+a one-line TypeError or ValueError naming the argument, the value and what it takes, not an error from deep in
+the first sampled step (``update_sample=0`` divided by zero there), nor a value taken silently
+(``sample_every=1.5`` sampled steps 0 and 3; ``scaler="dynamic"`` was ignored). ``prof.step()``'s arguments are
+checked by ``step_values``: host checks of what is passed (a tensor's element count is host metadata), no sync.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from torch import nn
+
+
+def _said(caller: str, name: str, value: Any) -> str:
+    return f"{caller}({name}={value!r:.80})"
+
+
+def _whole(value: Any) -> bool:
+    """An integer, not a bool (``True`` is no number of steps)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _real(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _integer(low: int, what: str, optional: str = "") -> Callable[[str, str, Any], Any]:
+    """A check of a whole number >= ``low`` (None allowed where ``optional`` says what it means)."""
+
+    def check(caller: str, name: str, value: Any) -> Any:
+        if value is None and optional:
+            return None
+        if not _whole(value):
+            raise TypeError(
+                f"{_said(caller, name, value)}: expected a whole number >= {low} ({what})"
+                + (f" or None ({optional})" if optional else "")
+                + f", got {type(value).__name__}"
+            )
+        if value < low:
+            raise ValueError(
+                f"{_said(caller, name, value)}: expected a whole number >= {low} ({what})"
+                + (f" or None ({optional})" if optional else "")
+            )
+        return int(value)
+
+    return check
+
+
+def _positive(what: str, optional: str = "") -> Callable[[str, str, Any], Any]:
+    """A check of a finite number > 0 (None allowed where ``optional`` says what it means)."""
+
+    def check(caller: str, name: str, value: Any) -> Any:
+        if value is None and optional:
+            return None
+        if not _real(value):
+            raise TypeError(
+                f"{_said(caller, name, value)}: expected a finite number > 0 ({what})"
+                + (f" or None ({optional})" if optional else "")
+                + f", got {type(value).__name__}"
+            )
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{_said(caller, name, value)}: expected a finite number > 0 ({what})")
+        return value
+
+    return check
+
+
+def _flag(optional: str = "") -> Callable[[str, str, Any], Any]:
+    """A check of True or False (0 and 1 too; None where ``optional`` says what it means): a string ("no") was
+    taken as True."""
+
+    def check(caller: str, name: str, value: Any) -> Any:
+        if value is None and optional:
+            return None
+        if isinstance(value, bool) or (_whole(value) and value in (0, 1)):
+            return bool(value)
+        raise TypeError(
+            f"{_said(caller, name, value)}: expected True or False"
+            + (f" or None ({optional})" if optional else "")
+        )
+
+    return check
+
+
+def modules_filter(caller: str, name: str, value: Any) -> Any:
+    """``modules=``: None, or patterns (``fnmatch``) and module types, as a list; one pattern or one type given
+    alone is that one (a string was iterated as its characters: "1*" selected every module through "*")."""
+    if value is None:
+        return None
+    if isinstance(value, (str, type)):
+        value = [value]
+    elif not isinstance(value, Iterable) or isinstance(value, (bytes, Mapping)):
+        raise TypeError(
+            f"{_said(caller, name, value)}: expected None, a name pattern such as 'transformer.h.*.mlp', a module "
+            "type such as torch.nn.Linear, or a list of them"
+        )
+    items = list(value)
+    for item in items:
+        if not (isinstance(item, str) or (isinstance(item, type) and issubclass(item, nn.Module))):
+            raise TypeError(
+                f"{_said(caller, name, value)}: {item!r:.60} is neither a name pattern (a str such as "
+                "'transformer.h.*.mlp') nor a module type (a torch.nn.Module subclass such as torch.nn.Linear)"
+            )
+    if not items:
+        raise ValueError(
+            f"{_said(caller, name, value)}: selects no module; leave it out (None) to profile every layer"
+        )
+    return items
+
+
+def _reducer(caller: str, name: str, value: Any) -> Any:
+    if isinstance(value, str) and value == "auto":
+        return value
+    if value is None or (not isinstance(value, str) and callable(getattr(value, "reduce_rows", None))):
+        return value
+    raise TypeError(
+        f"{_said(caller, name, value)}: expected 'auto' (ranks combined under torch.distributed), None (this "
+        "process only) or a precprof.capture.reducer.RankReducer"
+    )
+
+
+def _scaler(caller: str, name: str, value: Any) -> Any:
+    if value is None or callable(getattr(value, "update", None)):
+        return value
+    raise TypeError(
+        f"{_said(caller, name, value)}: expected a torch.amp.GradScaler (or None), got {type(value).__name__}; "
+        "for a fixed scale of your own ((loss * s).backward()) pass loss_scale=s"
+    )
+
+
+# every Profiler argument checked here, by name: what the check returns is the value the Profiler keeps
+CHECKS: dict[str, Callable[[str, str, Any], Any]] = {
+    "scaler": _scaler,
+    "sample_every": _integer(
+        0, "sample every N-th step; 0 records steps only", "as many as overhead_budget allows"
+    ),
+    "overhead_budget": _positive("the share of the run's time precprof may add, 0.03"),
+    "modules": modules_filter,
+    "memory": _flag(),
+    "memory_every": _integer(1, "1: every sampled step"),
+    "memory_peak": _flag("on CUDA, off on the CPU"),
+    "reset_peak_memory": _flag(),
+    "weight_updates": _flag(),
+    "update_sample": _integer(1, "elements sampled per parameter, 256"),
+    "chunk": _integer(0, "values per pass of the statistics, 0: a tensor at once", "the default"),
+    "first_step": _integer(0, "the number of the first step, a checkpoint's step when resuming"),
+    "reducer": _reducer,
+    "loss_scale": _positive("a manual static loss scale", "none"),
+    "block_formats": _flag("on unless PRECPROF_BLOCK_FORMATS=0"),
+    "block_groups": _integer(1, "1: every layer on every sampled step", "as many as block_budget allows"),
+    "block_budget": _positive("the share of a sampled step the block what-if may add, 0.1"),
+    "resume": _flag("as left out; the callbacks then continue a run when training resumes from a checkpoint"),
+    "overwrite": _flag(),
+    "compile_beside": _flag(),
+}
+
+
+def checked(args: Mapping[str, Any], caller: str = "Profiler") -> dict[str, Any]:
+    """``args`` (Profiler arguments by name) with every one ``CHECKS`` knows checked, as the Profiler keeps them;
+    the first wrong one is a one-line TypeError or ValueError naming it, its value and what it takes."""
+    out = dict(args)
+    for name, value in args.items():
+        check = CHECKS.get(name)
+        if check is not None:
+            out[name] = check(caller, name, value)
+    if out.get("loss_scale") is not None and out.get("scaler") is not None:
+        raise ValueError(
+            f"{caller}(loss_scale=...) declares a manual static loss scale; with a GradScaler (scaler=) leave it out"
+        )
+    return out
