@@ -11,7 +11,9 @@ import html
 import math
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -326,6 +328,56 @@ def test_a_loss_accumulator_reused_in_place_is_recorded_as_it_was_at_each_step()
     assert not steps[T.SAMPLED].all()
     assert steps[T.LOSS].tolist() == pytest.approx(want_loss, rel=1e-6) and min(want_loss) > 0
     assert steps[T.GRAD_NORM].tolist() == pytest.approx(want_norm, rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("kw", "error", "said"),
+    [
+        (
+            {"loss": torch.tensor([2.0, 4.0, 6.0])},
+            ValueError,
+            "prof.step(loss=tensor of shape [3]): expected one number; pass the step's scalar loss",
+        ),
+        ({"loss": "1.2.3"}, TypeError, "prof.step(loss='1.2.3'): expected a number or a one-element tensor"),
+        ({"loss": "1.5"}, TypeError, "prof.step(loss='1.5'): expected a number or a one-element tensor"),
+        (
+            {"grad_norm": torch.ones(2, 2)},
+            ValueError,
+            "prof.step(grad_norm=tensor of shape [2, 2]): expected one",
+        ),
+        (
+            {"tokens": -64},
+            ValueError,
+            "prof.step(tokens=-64): expected the number of tokens the step ran, >= 0",
+        ),
+        ({"tokens": "64"}, TypeError, "prof.step(tokens='64'): expected the number of tokens the step ran"),
+    ],
+)
+def test_a_step_argument_it_cannot_record_is_one_line_and_the_run_goes_on(
+    kw: dict[str, Any], error: type[Exception], said: str
+) -> None:
+    """``loss=tensor([2., 4., 6.])`` was recorded as 2.0 (its first element), ``tokens=-64`` as a negative
+    tokens/s, ``loss="1.2.3"`` failed at the next flush in records.py and ``loss="1.5"`` was taken as 1.5. Each
+    is refused where it is passed (host checks: a tensor's element count is metadata), the step not ended: the
+    loop that passes what it takes goes on. A loss of shape [1] is one number."""
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with precprof.Profiler(model, opt, sample_every=1, memory=False) as prof:
+        for step in range(3):
+            x, y = batch(step)
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if step == 1:
+                with pytest.raises(error) as e:
+                    prof.step(**kw)
+                assert str(e.value).startswith(said) and "\n" not in str(e.value)
+            prof.step(loss=loss.detach().reshape(1), tokens=np.int64(32) if step else 32.0)
+    steps = prof.tables()["steps"]
+    assert steps[T.STEP].tolist() == [0, 1, 2] and steps[T.LOSS].notna().all()
+    assert steps[T.TOKENS].tolist() == [32.0, 32.0, 32.0]
 
 
 def test_a_loop_that_passes_its_loss_now_and_then_has_not_diverged() -> None:

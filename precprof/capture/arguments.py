@@ -13,6 +13,7 @@ import numbers
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+import torch
 from torch import nn
 
 
@@ -173,3 +174,37 @@ def checked(args: Mapping[str, Any], caller: str = "Profiler") -> dict[str, Any]
             f"{caller}(loss_scale=...) declares a manual static loss scale; with a GradScaler (scaler=) leave it out"
         )
     return out
+
+
+def step_values(loss: Any, grad_norm: Any, tokens: Any) -> None:
+    """``prof.step()``'s arguments, checked on the host (a tensor's element count is metadata: no sync): a loss
+    or gradient norm of more than one element was recorded as its first, negative tokens as a negative
+    throughput, a string loss failed at the next flush. The hot path: a plain type test for the usual ones."""
+    if loss is not None and type(loss) is not float:
+        _one_number("loss", loss)
+    if grad_norm is not None and type(grad_norm) is not float:
+        _one_number("grad_norm", grad_norm)
+    if tokens is None or (type(tokens) is int and tokens >= 0):
+        return
+    if isinstance(tokens, torch.Tensor) and tokens.numel() == 1:
+        return
+    if not _real(tokens):
+        raise TypeError(
+            f"prof.step(tokens={tokens!r:.60}): expected the number of tokens the step ran (an int >= 0), "
+            f"got {type(tokens).__name__}"
+        )
+    if not (tokens >= 0 and math.isfinite(tokens)):
+        raise ValueError(f"prof.step(tokens={tokens!r}): expected the number of tokens the step ran, >= 0")
+
+
+def _one_number(name: str, value: Any) -> None:
+    if isinstance(value, torch.Tensor):
+        if value.numel() > 1:
+            raise ValueError(
+                f"prof.step({name}=tensor of shape {list(value.shape)}): expected one number; pass the step's "
+                f"scalar {name} (a mean: {name}.mean())"
+            )
+    elif not _real(value):
+        raise TypeError(
+            f"prof.step({name}={value!r:.60}): expected a number or a one-element tensor, got {type(value).__name__}"
+        )

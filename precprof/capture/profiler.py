@@ -436,13 +436,14 @@ class Profiler(PartsAssembly, ProfilerResults, OptimizerSwitch):
     def step(self, loss: Any = None, grad_norm: Any = None, tokens: int | None = None) -> None:
         """End the step in progress: call once per optimizer step, after ``scaler.update()``.
 
-        ``loss`` and ``grad_norm`` may be device tensors: they are kept on the device and copied with the
-        next sampled step's statistics (no sync here on steps that are not sampled). Without ``grad_norm``, the
+        ``loss`` and ``grad_norm``: numbers, or tensors of one element, which may be on the device: they are kept
+        there and copied with the next sampled step's statistics (no sync here on steps that are not sampled). Without ``grad_norm``, the
         norm that ``torch.nn.utils.clip_grad_norm_`` returned in this step is recorded, if the loop clipped
-        (``precprof.clipwatch``). ``tokens``: tokens processed in the step, for throughput.
+        (``precprof.clipwatch``). ``tokens``: tokens processed in the step (>= 0), for throughput. Anything else is a one-line error (``capture/arguments.py``).
         """
         if not self._attached:
             raise RuntimeError("Profiler.step() called while the profiler is not attached (use `with prof:`)")
+        arguments.step_values(loss, grad_norm, tokens)  # host checks of what is passed: no sync
         entered = time.perf_counter()  # this call's own time, on an unsampled step, is precprof's
         started = self._t_last  # this step's start (the previous step's end)
         if self._sampling:
