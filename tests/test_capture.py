@@ -741,6 +741,31 @@ def test_the_arguments_a_profiler_takes_as_documented_are_taken() -> None:
     assert sorted(set(prof.tables()["layers"][T.MODULE])) == ["0", "0:input", "2", "2:input", "3"]
 
 
+@pytest.mark.parametrize("status", ["finished", "COMPLETE", 5])
+def test_a_save_status_that_is_no_runs_status_is_refused_before_anything_is_written(
+    status: Any, tmp_path: Path
+) -> None:
+    """``prof.save(DIR, status="finished")`` (or "COMPLETE", or 5) wrote summary.json with that status, which
+    ``precprof report`` and ``compare`` read as no status they know. The documented ones are taken."""
+    model, opt = _mlp4()
+    prof = precprof.Profiler(model, opt, sample_every=1, memory=False)
+    _tiny_run(prof, model, opt)
+    with pytest.raises(ValueError) as e:
+        prof.save(tmp_path / "bad", status=status)
+    assert str(e.value) == (
+        f"save(status={status!r}): expected 'complete' or 'incomplete' (with reason='why'), or None: the run's own"
+    )
+    assert not (tmp_path / "bad").exists()
+    with pytest.raises(TypeError, match=r"save\(reason=3\): expected a str"):
+        prof.save(tmp_path / "bad", status=T.STATUS_INCOMPLETE, reason=3)
+    prof.save(tmp_path / "run", status=T.STATUS_INCOMPLETE, reason="stopped by hand")
+    summary = T.read_summary(tmp_path / "run")
+    assert (summary[T.SUMMARY_STATUS], summary[T.SUMMARY_INCOMPLETE_REASON]) == (
+        "incomplete",
+        "stopped by hand",
+    )
+
+
 def test_a_parameter_frozen_at_attach_and_unfrozen_later_is_read_once_it_trains() -> None:
     """Gradual unfreezing: the first layer frozen when the Profiler attaches, unfrozen at step 2. Its gradient
     and its updates were never read (the rows were planned at attach for the parameters requiring grad then),

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from precprof import tables as T
+
 
 def _said(caller: str, name: str, value: Any) -> str:
     return f"{caller}({name}={value!r:.80})"
@@ -207,4 +209,20 @@ def _one_number(name: str, value: Any) -> None:
     elif not _real(value):
         raise TypeError(
             f"prof.step({name}={value!r:.60}): expected a number or a one-element tensor, got {type(value).__name__}"
+        )
+
+
+STATUSES = (T.STATUS_COMPLETE, T.STATUS_INCOMPLETE)
+
+
+def save_status(status: Any, reason: Any) -> None:
+    """``prof.save(status=, reason=)``: None (the run's own), or one of ``STATUSES``; a reason is a str."""
+    if status is not None and status not in STATUSES:
+        raise ValueError(
+            f"save(status={status!r:.60}): expected {T.STATUS_COMPLETE!r} or {T.STATUS_INCOMPLETE!r} (with "
+            "reason='why'), or None: the run's own"
+        )
+    if reason is not None and not isinstance(reason, str):
+        raise TypeError(
+            f"save(reason={reason!r:.60}): expected a str saying why the run is incomplete, or None"
         )

@@ -17,7 +17,7 @@ from precprof import stats as st
 from precprof import tables as T
 from precprof._run_finisher import machine_describer, run_finisher, run_renderer
 from precprof._version import __version__
-from precprof.capture import resumed
+from precprof.capture import arguments, resumed
 from precprof.capture.block_budget import BlockDeal
 from precprof.capture.collect import Collector
 from precprof.capture.model_facts import (
@@ -475,6 +475,7 @@ class ProfilerResults:
         Profiler claimed it, once detached: while attached, a save there is a snapshot of the run so far, which
         goes on streaming (``_snapshot``).
         """
+        arguments.save_status(status, reason)
         if run_dir is None:
             run_dir = self.run_dir
             if run_dir is None:
