@@ -1074,3 +1074,43 @@ def test_the_memory_section_tells_a_trainer_user_how_to_count_the_loss(tmp_path:
             assert in_loss.empty
             assert 'id="memory-loss"' in page and "precprof_cb.profiler.memory_scope()" in page
             assert "compute_loss" in page and "with prof.memory_scope()" not in page
+
+
+@pytest.mark.parametrize(
+    ("kw", "error", "said"),
+    [
+        (
+            {"sample_evry": 1},
+            TypeError,
+            "PrecprofCallback(sample_evry=...) is not a precprof.Profiler argument "
+            "(did you mean sample_every?); they are: sample_every, overhead_budget, ",
+        ),
+        ({"sample_every": -1}, ValueError, "PrecprofCallback(sample_every=-1): expected a whole number >= 0"),
+        ({"update_sample": 0}, ValueError, "PrecprofCallback(update_sample=0): expected a whole number >= 1"),
+        ({"modules": [3]}, TypeError, "PrecprofCallback(modules=[3]): 3 is neither a name pattern"),
+        (
+            {"first_step": 3},
+            TypeError,
+            "PrecprofCallback(first_step=...): the callback gives the Profiler the Trainer's step",
+        ),
+    ],
+)
+def test_a_profiler_argument_the_callback_cannot_pass_on_is_refused_when_it_is_made(
+    kw: dict[str, Any], error: type[Exception], said: str, tmp_path: Path
+) -> None:
+    """A typo (``sample_evry=1``) or a bad value was taken by the callback and failed only in
+    ``trainer.train()`` (``update_sample=0``: a ZeroDivisionError 14 frames deep), a run directory left behind.
+    Checked as the Profiler checks them, where the callback is made."""
+    with pytest.raises(error) as e:
+        PrecprofCallback(out=tmp_path / "run", report=False, **kw)
+    assert str(e.value).startswith(said) and "\n" not in str(e.value)
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_callback_takes_one_module_pattern_alone(tmp_path: Path) -> None:
+    cb = PrecprofCallback(
+        out=tmp_path / "run", sample_every=1, report=False, memory=False, modules="transformer.h.0.mlp.*"
+    )
+    make_trainer(tmp_path, callbacks=[cb]).train()
+    modules = set(T.read_tables(tmp_path / "run")["layers"][T.MODULE])
+    assert modules and all(m.startswith("transformer.h.0.mlp.") for m in modules), modules

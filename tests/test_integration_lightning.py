@@ -1015,3 +1015,35 @@ def test_the_memory_section_tells_a_lightning_user_how_to_count_the_loss(tmp_pat
     floats = acts[acts[T.DTYPE] == "float32"]
     assert len(floats) and (floats[T.BYTES] >= BATCH * SEQ * VOCAB * 4).all()  # each step measured
     assert cb.report_path is not None and 'id="memory-loss"' not in cb.report_path.read_text()
+
+
+@pytest.mark.parametrize(
+    ("kw", "error", "said"),
+    [
+        (
+            {"memroy": False},
+            TypeError,
+            "PrecprofCallback(memroy=...) is not a precprof.Profiler argument (did you mean memory?)",
+        ),
+        (
+            {"sample_every": 1.5},
+            TypeError,
+            "PrecprofCallback(sample_every=1.5): expected a whole number >= 0",
+        ),
+        ({"update_sample": 0}, ValueError, "PrecprofCallback(update_sample=0): expected a whole number >= 1"),
+        (
+            {"scaler": None},
+            TypeError,
+            "PrecprofCallback(scaler=...): the callback gives the Profiler the Trainer's GradScaler itself",
+        ),
+    ],
+)
+def test_a_profiler_argument_the_callback_cannot_pass_on_is_refused_when_it_is_made(
+    kw: dict[str, Any], error: type[Exception], said: str, tmp_path: Path
+) -> None:
+    """As the Hugging Face callback: a typo or a bad value failed at the fit's first batch, not where it was
+    given."""
+    with pytest.raises(error) as e:
+        PrecprofCallback(out=tmp_path / "run", report=False, **kw)
+    assert str(e.value).startswith(said) and "\n" not in str(e.value)
+    assert not (tmp_path / "run").exists()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import inspect
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -23,11 +24,46 @@ from precprof import tables as T
 from precprof import taxonomy
 from precprof._notice import notice
 from precprof.analysis.final import final_block
-from precprof.capture import Profiler, unsaved
+from precprof.capture import Profiler, arguments, unsaved
 from precprof.capture.model_facts import model_info as model_info  # (its home before)
 from precprof.capture.reducer import RankReducer, is_distributed
+from precprof.errors import did_you_mean
 from precprof.hardware import software_versions
 from precprof.taxonomy import LIGHTNING_PRECISIONS as LIGHTNING_PRECISIONS  # (its home before)
+
+# Profiler arguments a callback gives the Profiler itself (``Session.start``): among its keyword arguments they
+# clashed with the callback's own when training started ("got multiple values for keyword argument")
+_GIVEN_BY_CALLBACK = {
+    "model": "the Trainer's model",
+    "optimizer": "the Trainer's optimizer",
+    "scaler": "the Trainer's GradScaler",
+    "first_step": "the Trainer's step (a checkpoint's, when training resumes)",
+}
+
+
+def checked_profiler_kwargs(caller: str, sample_every: Any, kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """A callback's ``sample_every`` and further ``Profiler`` arguments checked at its construction, as
+    ``Profiler.__init__`` checks them (``capture.arguments``), without a model: a name that is no Profiler
+    argument (``sample_evry=1``) or a value it refuses (``update_sample=0``) is a one-line TypeError or ValueError
+    there, not an error from deep in the Trainer's first step. Returns them as the Profiler takes them."""
+    params = inspect.signature(Profiler.__init__).parameters
+    names = [
+        n
+        for n, p in params.items()
+        if p.kind is inspect.Parameter.KEYWORD_ONLY and n != "out" and n not in _GIVEN_BY_CALLBACK
+    ]
+    for name in kwargs:
+        if name in _GIVEN_BY_CALLBACK:
+            raise TypeError(
+                f"{caller}({name}=...): the callback gives the Profiler {_GIVEN_BY_CALLBACK[name]} itself; "
+                "leave it out"
+            )
+        if name not in names:
+            raise TypeError(
+                f"{caller}({name}=...) is not a precprof.Profiler argument{did_you_mean(name, names)}; "
+                f"they are: {', '.join(names)}"
+            )
+    return arguments.checked({"sample_every": sample_every, **kwargs}, caller)
 
 
 class Session:

@@ -64,7 +64,7 @@ from precprof._notice import notice
 from precprof.capture import unsaved
 from precprof.errors import MissingDependencyError
 from precprof.export.wandb import beside_trainer, wandb_module
-from precprof.integrations._common import LIGHTNING_PRECISIONS, Session, model_info
+from precprof.integrations._common import LIGHTNING_PRECISIONS, Session, checked_profiler_kwargs, model_info
 from precprof.integrations.fed_tokens import UNKNOWN, FedTokens
 from precprof.integrations.fed_tokens import token_embedding as token_embedding  # (its home before)
 
@@ -123,9 +123,11 @@ class PrecprofCallback(Callback):  # type: ignore[misc]
     ) -> None:
         super().__init__()
         self.out = Path(out) if out is not None else None
-        self.sample_every = sample_every
+        # checked now, as the Profiler checks them: a typo or a bad value is refused here, not in the first step
+        checked = checked_profiler_kwargs("PrecprofCallback", sample_every, profiler_kwargs)
+        self.sample_every = checked.pop("sample_every")
         self.report = report
-        self.profiler_kwargs = profiler_kwargs
+        self.profiler_kwargs = checked
         self._session: Session | None = None
         self._last_global_step = 0
         self._loss_sum: torch.Tensor | None = None
