@@ -351,6 +351,11 @@ def test_a_loss_accumulator_reused_in_place_is_recorded_as_it_was_at_each_step()
             "prof.step(tokens=-64): expected the number of tokens the step ran, >= 0",
         ),
         ({"tokens": "64"}, TypeError, "prof.step(tokens='64'): expected the number of tokens the step ran"),
+        # an empty tensor was taken and failed at the flush; a numpy array of shape [1] too (numpy's float()
+        # takes 0-d arrays only), and one of strings
+        ({"loss": torch.tensor([])}, ValueError, "prof.step(loss=tensor of shape [0]): expected one number"),
+        ({"loss": np.array([2.5])}, ValueError, "prof.step(loss=array of shape [1], float64): expected one"),
+        ({"loss": np.array("x")}, ValueError, "prof.step(loss=array of shape [], <U1): expected one number"),
     ],
 )
 def test_a_step_argument_it_cannot_record_is_one_line_and_the_run_goes_on(
@@ -374,9 +379,12 @@ def test_a_step_argument_it_cannot_record_is_one_line_and_the_run_goes_on(
                 with pytest.raises(error) as e:
                     prof.step(**kw)
                 assert str(e.value).startswith(said) and "\n" not in str(e.value)
-            prof.step(loss=loss.detach().reshape(1), tokens=np.int64(32) if step else 32.0)
+            # a loss of shape [1], and a 0-d numpy array (a loss computed with numpy): one number each
+            one = loss.detach().reshape(1) if step != 2 else np.array(loss.item())
+            prof.step(loss=one, tokens=np.int64(32) if step else 32.0)
     steps = prof.tables()["steps"]
     assert steps[T.STEP].tolist() == [0, 1, 2] and steps[T.LOSS].notna().all()
+    assert steps[T.LOSS].dtype == np.float64
     assert steps[T.TOKENS].tolist() == [32.0, 32.0, 32.0]
 
 

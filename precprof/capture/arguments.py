@@ -13,6 +13,7 @@ import numbers
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -201,10 +202,16 @@ def step_values(loss: Any, grad_norm: Any, tokens: Any) -> None:
 
 def _one_number(name: str, value: Any) -> None:
     if isinstance(value, torch.Tensor):
-        if value.numel() > 1:
+        if value.numel() != 1:
             raise ValueError(
                 f"prof.step({name}=tensor of shape {list(value.shape)}): expected one number; pass the step's "
                 f"scalar {name} (a mean: {name}.mean())"
+            )
+    elif isinstance(value, np.ndarray):  # a loss computed with numpy: a 0-d array is a number
+        if value.ndim != 0 or not _real(value.item()):
+            raise ValueError(
+                f"prof.step({name}=array of shape {list(value.shape)}, {value.dtype}): expected one number; pass "
+                f"the step's scalar {name} (float({name}.mean()))"
             )
     elif not _real(value):
         raise TypeError(
