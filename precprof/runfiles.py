@@ -91,6 +91,12 @@ LOOP_BEFORE_FORWARD = "optimizer_before_forward"
 # parameters (a new optimizer made mid-run without ``prof.use_optimizer``): its updates were not read. Its entry
 # lists the sampled steps (``at``, the first ``AT_MAX``; ``steps``: how many) and the optimizers' classes
 LOOP_NOT_FOLLOWED = "optimizer_not_followed"
+# capture.loop_order's kind of a sampled step that read weight gradients and in which no optimizer the Profiler
+# follows stepped, nor another one the model's parameters, nor a loss scaler unscaled one (a step it skips):
+# ``prof.step()`` called once per micro-batch under gradient accumulation makes the micro-batches such steps.
+# No update is read in them; its entry lists them as ``LOOP_NOT_FOLLOWED``'s does. Said by no warning at the
+# step (a loop that skips the optimizer on a bad batch has a few): the advisor judges (``steps_without_update``)
+LOOP_NOT_STEPPED = "optimizer_not_stepped"
 
 
 def sample_every_setting(cfg: Mapping[str, Any], n: str = "N") -> str:

@@ -541,6 +541,54 @@ def test_prof_step_per_micro_batch_is_told(tmp_path: Path, per_micro_batch: bool
     assert f.severity == "warning" and "once per optimizer step" in f.remedy
 
 
+@pytest.mark.parametrize("per_micro_batch", [True, False])
+def test_prof_step_per_micro_batch_sampled_only_between_optimizer_steps_is_told(
+    tmp_path: Path, per_micro_batch: bool
+) -> None:
+    """Gradient accumulation over 2 micro-batches, ``prof.step()`` after each, ``sample_every=2`` (tester t2): every
+    sampled step is a first micro-batch, no sampled step reads a weight update, and nothing said so: the rule
+    needed updates on other sampled steps, and the page said "weight updates read on up to 256 elements of each
+    parameter". The capture knows which sampled steps read gradients and saw no optimizer step
+    (``capture.loop_order``): the finding fires from that, and the page says no update was read, and why. Called
+    once per optimizer step, nothing is said and the updates are read."""
+    out = tmp_path / "run"
+    model = _gelu_mlp(16, 32, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with precprof.Profiler(model, optimizer=opt, sample_every=2, out=out) as prof:
+        for i in range(16):
+            loss = model(torch.randn(8, 16)).square().mean() / 2
+            loss.backward()
+            if (i + 1) % 2 == 0:
+                opt.step()
+                opt.zero_grad()
+            if per_micro_batch or (i + 1) % 2 == 0:
+                prof.step(loss=loss.detach())
+    prof.save()
+    layers = prof.tables()["layers"]
+    updated = set(layers.loc[layers[T.TENSOR] == T.WEIGHT_UPDATE, T.STEP])
+    found = {f.code: f for f in precprof.recommend(out).findings}
+    page = words(prof.report(out).read_text())
+    row = page[page.index("weight updates read on") :][:400]
+    if not per_micro_batch:
+        assert updated and "steps_without_update" not in found
+        assert (
+            "optimizer_not_stepped"
+            not in json.loads((out / "summary.json").read_text())["capture"]["loop_order"]
+        )
+        assert row.startswith("weight updates read on up to 256 elements of each parameter")
+        return
+    assert not updated
+    f = found["steps_without_update"]
+    assert f.severity == "warning" and "once per optimizer step" in f.remedy
+    # sampled steps 0, 2, ..., 14 (the 8 first micro-batches) read gradients; the optimizer stepped in none of them
+    assert f.numbers == {"steps_without_update": 8, "sampled_steps_with_grads": 8}
+    assert "no weight update was read" in f.message
+    assert row.startswith(
+        "weight updates read on none: the optimizer the Profiler was given stepped on none of the 8"
+    )
+    assert "once per micro-batch" in row
+
+
 def _accumulating_run(
     out: Path, scaler: Any, loss_of: Any, micro_batches: int = 6, late: bool = False
 ) -> tuple[list[int], list[float]]:

@@ -62,8 +62,10 @@ class GradientReads:
     _grads_due: list[_ParamSlot]
     _stepped: set[int]
     _optimizer_stepped: bool
+    _scaler_unscaled: bool
     _step_mode: bool | None  # (``TrainingForward``'s: the step's forward with grad ran)
     _grad_rows: list[int]
+    _weight_grad_rows: list[int]
     order: int
     loop: LoopOrder
     optimizers: list[Any]
@@ -272,6 +274,7 @@ class GradientReads:
         a GAN's generator backward would otherwise be read into the discriminator's unscaled gradients)."""
         if not self.installed or not any(o is optimizer for o in self.optimizers):
             return
+        self._scaler_unscaled = True  # (its step is meant: one the scaler skips runs no optimizer hook)
         if self._grads_due:  # a backward whose end has not been read (it raised)
             self._read_grads()
         self._keep_given(optimizer)
@@ -282,6 +285,21 @@ class GradientReads:
         Profiler applies (one Profiler per GAN model: the generator's last update runs the discriminator's
         forward and backward after the discriminator's last ``prof.step()``, read as a step "cut off")."""
         return bool(self.optimizers) and not self._optimizer_stepped
+
+    def gradients_without_step(self) -> bool:
+        """Whether the step in progress read weight gradients and no optimizer given stepped, nor did a loss
+        scaler unscale one (a step it skips on an inf runs no optimizer hook; None given: False): a micro-batch's
+        step, where ``prof.step()`` is called once per micro-batch (``capture.loop_order``'s
+        ``LOOP_NOT_STEPPED``). Host only."""
+        return (
+            bool(self.optimizers)
+            and not self._optimizer_stepped
+            and not self._scaler_unscaled
+            and (
+                bool(self._grads_due)
+                or any(self.rows.calls[r] or self.buffer.skipped[r] for r in self._weight_grad_rows)
+            )
+        )
 
     def _trained_by_now(self) -> bool:
         """Whether the step's forward ran by now: read (its training forward), or unread but followed by a backward

@@ -188,6 +188,9 @@ class StepHooks(TrainingForward, GradientReads, GemmInputs, StepAttempts, Output
         self._optimizer_stepped = (
             False  # whether one of the optimizers stepped in this step (``_opt_post_hook``)
         )
+        self._scaler_unscaled = (
+            False  # a loss scaler unscaled one of them in this step (``scaler_unscaling``)
+        )
         self._grad_row_of = {id(ps.tensor): ps.grad_row for ps in plan.params if ps.grad_row >= 0}
         self._grad_slot = {ps.grad_row: ps for ps in plan.params if ps.grad_row >= 0}
         # parameters whose gradient was accumulated in the backward pass now running, read together when it
@@ -228,7 +231,7 @@ class StepHooks(TrainingForward, GradientReads, GemmInputs, StepAttempts, Output
         self.has_data = False
         self.stance_at_forward = None
         self._weights_read = None
-        self._stepped, self._optimizer_stepped = set(), False
+        self._stepped, self._optimizer_stepped, self._scaler_unscaled = set(), False, False
         self._clear_outputs()
         self.grads_at_end = not _distributed()
         for slot in self.plan.modules:

@@ -42,6 +42,8 @@ UNFOLLOWED = T.LOOP_NOT_FOLLOWED  # an optimizer the Profiler does not follow st
 SEVERAL = "several_optimizer_steps"  # one of the optimizers it follows stepped more than once in the step
 EMPTY = "empty_step"  # no forward, backward or optimizer step at all
 BEFORE_FORWARD = T.LOOP_BEFORE_FORWARD  # an optimizer stepped before the step's forward
+# weight gradients read and no optimizer step (a micro-batch's step): counted, not warned of (``T.LOOP_NOT_STEPPED``)
+NOT_STEPPED = T.LOOP_NOT_STEPPED
 
 ONCE_PER_STEP = "call prof.step() once per optimizer step, after optimizer.step()"
 AT_MAX = 256  # the sampled steps of a fault listed (``at``); past this many only counted
@@ -50,6 +52,7 @@ _FIX = {
     SEVERAL: ONCE_PER_STEP,
     EMPTY: ONCE_PER_STEP,
     BEFORE_FORWARD: ONCE_PER_STEP,
+    NOT_STEPPED: ONCE_PER_STEP,
 }
 
 
@@ -80,6 +83,9 @@ class LoopOrder:
         self._followed_steps = 0
         # per step of an optimizer not followed in progress: ``_followed_steps`` as it began
         self._outer: list[int] = []
+        self._followed_late = (
+            False  # one that stepped the model's parameters was followed before the step ended
+        )
 
     def watch(self, followed: Sequence[Any], params: Mapping[int, Any]) -> list[Any]:
         """Hooks on every optimizer's step (torch's global ones), for a sampled step's hooks to remove with theirs;
@@ -112,7 +118,7 @@ class LoopOrder:
         """``prof.use_optimizer`` before the step ended: what those optimizers stepped in it is no fault (Lightning's
         callback follows a new optimizer at the end of the batch that stepped it first)."""
         for o in optimizers:
-            self._unfollowed.pop(id(o), None)
+            self._followed_late = self._unfollowed.pop(id(o), None) is not None or self._followed_late
 
     def _any_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self.active and id(optimizer) not in self._followed:
@@ -152,6 +158,14 @@ class LoopOrder:
             faults[BEFORE_FORWARD] = {}
         if not most and not self._unfollowed and ran_nothing():
             faults[EMPTY] = {}
+        if (
+            not most
+            and not self._unfollowed
+            and not self._followed_late
+            and hooks is not None
+            and hooks.gradients_without_step()
+        ):
+            faults[NOT_STEPPED] = {}
         for kind, facts in faults.items():
             self._count(kind, step, facts)
 
@@ -159,7 +173,10 @@ class LoopOrder:
         entry = self.seen.get(kind)
         if entry is None:
             self.seen[kind] = {"first_step": step, "steps": 1, "at": [step], **facts}
-            notice(f"precprof: {self._said(kind, step, facts)}; {_FIX[kind]}")  # (inside prof.step())
+            if (
+                kind != NOT_STEPPED
+            ):  # (a loop that skips a bad batch's optimizer step has a few: the advisor judges)
+                notice(f"precprof: {self._said(kind, step, facts)}; {_FIX[kind]}")  # (inside prof.step())
             return
         entry["steps"] += 1
         if len(entry["at"]) < AT_MAX:
@@ -198,4 +215,11 @@ class LoopOrder:
     def summary(self) -> dict[str, dict[str, Any]]:
         """For summary.json's ``capture.loop_order``: per kind seen, the first sampled step, how many had it and
         which (``at``: the first ``AT_MAX``)."""
-        return {kind: {**entry, "at": list(entry["at"])} for kind, entry in self.seen.items()}
+        # (a loop that steps its optimizer before the forward steps each step's gradients in the next step: its
+        # first step, with no optimizer step, is that, no micro-batch)
+        late = BEFORE_FORWARD in self.seen
+        return {
+            kind: {**entry, "at": list(entry["at"])}
+            for kind, entry in self.seen.items()
+            if not (late and kind == NOT_STEPPED)
+        }

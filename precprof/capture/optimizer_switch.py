@@ -51,6 +51,7 @@ class OptimizerSwitch(Replanning):
     # whose optimizer step the update sample read since. Steps before it have no weight_update rows
     _optimizer_given_at: int | None = None
     _updates_read_from: int | None = None
+    _updates_read_steps: int = 0  # the sampled steps whose optimizer step the update sample read
 
     def use_optimizer(self, optimizer: Any) -> None:
         """Follow ``optimizer`` (one, a list of them, or None) in place of the optimizers the Profiler follows now:
@@ -99,9 +100,12 @@ class OptimizerSwitch(Replanning):
                 self._arm(hooks.turn)
 
     def _note_updates_read(self) -> None:
-        """At a sampled step's end: the first step whose optimizer step the update sample read, once the
-        Profiler was given its optimizer late (``updates_from``)."""
+        """At a sampled step's end: whether the update sample read its optimizer step (counted: the summary's
+        ``updates_read_steps``), and the first step it did, once the Profiler was given its optimizer late
+        (``updates_from``)."""
         hooks = self._hooks
+        if self._updates is not None and hooks is not None and hooks._optimizer_stepped:
+            self._updates_read_steps += 1
         if (
             self._optimizer_given_at is not None
             and self._updates_read_from is None

@@ -91,6 +91,7 @@ class ProfilerResults:
     _optimizer_changes: list[dict[str, Any]]
     _optimizer_given_at: int | None
     _updates_read_from: int | None
+    _updates_read_steps: int
     _model_changes: list[dict[str, Any]]
     _owned_run: rundir.RunDir | None
     _out: Any
@@ -337,6 +338,7 @@ class ProfilerResults:
             "optimizer_changes": [dict(c) for c in self._optimizer_changes],
             # an optimizer given after the run began (``use_optimizer``): from which step its updates were read
             "updates_from": self.updates_from(),
+            "updates_read_steps": self._updates_read_steps,  # sampled steps whose optimizer step was read
             "model_changes": [dict(c) for c in self._model_changes],  # planned again (replan.py)
             **self._loop.trained_summary(self.model),  # requires_grad changed; not in the optimizer
             "fp8_recipe": fp8_recipes(_compat.unwrapped(self.model)),  # what its Float8Linear layers ran

@@ -46,7 +46,8 @@ _CAPTURE_SAID = _keys(
     "profiler_buffer_share_of_params model_class precision_seen autocast scaler scaler_enabled scaler_growth_interval "
     "compiled loop_stance loop_order fp8_emulated dropout_layers "
     "static_loss_scale low_precision_buffers fp8_recipe block_recipe bias_dropped fp8_whatif_recipe sampling memory_steps memory_enabled grad_norm_type shared_params shared_outside "
-    "gemm_inputs model_inputs modules_without_forward optimizer optimizer_changes updates_from model_changes "
+    "gemm_inputs model_inputs modules_without_forward optimizer optimizer_changes updates_from updates_read_steps "
+    "model_changes "
     "distributed eval_forwards_ignored checkpointed_forwards weight_grads_unread_steps weight_grads_unread_modules "
     "self_call_forwards_unread scaler_from output_head mixed_precision_asked_as"
 )
@@ -153,9 +154,25 @@ def _model_changes(changes: Any, listed: int = 6) -> str:
     return "; ".join(said) + (" (recorded as the model was from then on)" if said else "")
 
 
-def _update_reads(sample: Any, optimizer: Mapping[str, Any]) -> str:
+def _update_reads(sample: Any, optimizer: Mapping[str, Any], capture: Mapping[str, Any]) -> str:
     """What the weight-update sample read, or, when it read none, why: without an optimizer nothing is read
-    around its step, so a run that could lose updates in bf16 weights is not told (its finding needs them)."""
+    around its step, so a run that could lose updates in bf16 weights is not told (its finding needs them);
+    where the optimizer stepped on none of the sampled steps (``capture.updates_read_steps`` 0: every sampled
+    step a micro-batch between optimizer steps, ``prof.step()`` called once per micro-batch), none was read."""
+    sampled = _int(capture.get("sampled_steps")) or 0
+    if _int(sample) and optimizer.get("class") and capture.get("updates_read_steps") == 0 and sampled:
+        idle = _int(_map(_map(capture.get("loop_order")).get(T.LOOP_NOT_STEPPED)).get("steps")) or 0
+        return (
+            f"none: the optimizer the Profiler was given stepped on none of the {F.count(sampled)} sampled steps, "
+            "so no weight update was read, nor whether bf16 or fp16 weights would lose them"
+            + (
+                f" ({F.count(idle)} of them read weight gradients and no optimizer step: prof.step() called once "
+                "per micro-batch under gradient accumulation makes each micro-batch a step; call it once per "
+                "optimizer step)"
+                if idle
+                else ""
+            )
+        )
     if _int(sample):
         return (
             f"up to {F.count(sample)} elements of each parameter (all of a smaller one), before and after the "
@@ -668,7 +685,7 @@ def capture_rows(
         rows.append(
             (
                 "weight updates read on",
-                _update_reads(capture["weight_update_sample"], opt) + (f"; {late}" if late else ""),
+                _update_reads(capture["weight_update_sample"], opt, capture) + (f"; {late}" if late else ""),
             )
         )
     unread = weight_grads_unread(capture)
@@ -784,6 +801,11 @@ _LOOP_FAULTS = {
     "empty_step": (
         "{steps} ran no forward, backward or optimizer step (prof.step() called twice)",
         _ONCE_PER_STEP,
+    ),
+    T.LOOP_NOT_STEPPED: (
+        "{steps} read weight gradients and no optimizer step (a micro-batch's step, where prof.step() is called "
+        "once per micro-batch; a batch the loop skipped): no weight update was read there",
+        "",  # (the advisor's steps_without_update says the fix where it is the loop's mistake)
     ),
 }
 

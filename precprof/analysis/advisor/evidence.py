@@ -760,7 +760,8 @@ def _updated_steps(run: _Run) -> set[int]:
 def _steps_without_update(run: _Run) -> tuple[list[int], list[int]]:
     """The sampled steps with weight gradients whose optimizer did not step, and every sampled step with weight
     gradients that could tell, in step order: only in a run whose optimizer steps were seen (``weight_update``
-    rows on some sampled step), from the first step its updates were read (``capture.updates_from``: an
+    rows on some sampled step; where none was read, the sampled steps the capture saw read weight gradients and
+    no optimizer step, ``capture.loop_order``'s ``T.LOOP_NOT_STEPPED``), from the first step its updates were read (``capture.updates_from``: an
     optimizer given later); a step the loss scaler skipped (no optimizer step by design) or a crash cut off is
     no such step. ``prof.step()`` called once per micro-batch makes the micro-batches such steps. Computed once
     per run (new lists each call)."""
@@ -773,9 +774,17 @@ def _without_update(run: _Run) -> tuple[list[int], list[int]]:
     if layers.empty:
         return [], []
     updated = _updated_steps(run)
-    if not updated:
-        return [], []  # no optimizer given, or its updates not sampled: nothing tells
     with_grads = set(layers.loc[layers[T.TENSOR] == T.WEIGHT_GRAD, T.STEP].astype(int))
+    if not updated:
+        # no update read on any sampled step: those the capture saw read weight gradients and no optimizer step
+        # (``T.LOOP_NOT_STEPPED``; every sampled step a micro-batch between optimizer steps) tell; else nothing
+        # does (no optimizer given, its updates not sampled, a run recorded before the capture said)
+        at, count = _not_stepped(run)
+        if not at:
+            return [], []
+        if count > len(at):  # past the steps listed, whether the optimizer stepped is not known
+            with_grads = {s for s in with_grads if s <= at[-1]}
+        updated = with_grads - set(at)
     steps = run.steps
     excused: set[int] = set()
     for col in (T.SKIPPED, T.CUT_OFF):
@@ -784,6 +793,18 @@ def _without_update(run: _Run) -> tuple[list[int], list[int]]:
     since = ((run.summary.get(T.SUMMARY_CAPTURE) or {}).get("updates_from") or {}).get("step")
     told = sorted(s for s in with_grads - excused if not isinstance(since, int) or s >= since)
     return [s for s in told if s not in updated], told
+
+
+def _not_stepped(run: _Run) -> tuple[list[int], int]:
+    """The sampled steps the capture saw read weight gradients and no optimizer step (``capture.loop_order``'s
+    ``T.LOOP_NOT_STEPPED``), listed (the first ``AT_MAX``), and how many there were."""
+    order = (run.summary.get(T.SUMMARY_CAPTURE) or {}).get("loop_order") or {}
+    entry = order.get(T.LOOP_NOT_STEPPED) if isinstance(order, Mapping) else None
+    if not isinstance(entry, Mapping):
+        return [], 0
+    at = sorted(int(s) for s in entry.get("at") or [] if isinstance(s, int))
+    steps = entry.get("steps")
+    return at, max(steps, len(at)) if isinstance(steps, int) else len(at)
 
 
 def _unfollowed_steps(run: _Run) -> tuple[list[int], list[str], int]:

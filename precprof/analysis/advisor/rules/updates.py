@@ -673,6 +673,14 @@ def _rule_steps_without_update(run: _Run, plan: _Plan) -> None:
         "them. precprof's step is the optimizer's: called once per micro-batch (gradient accumulation), each of "
         "its steps is a micro-batch, the weight gradients of those steps are partial sums, and the step counts, "
         "the loss curve and the sampling budget are per micro-batch."
+        + (
+            " The optimizer stepped on none of the sampled steps, so no weight update was read: the lost-update "
+            "shares and the update-to-weight ratios are not measured (not zero), whatever the weights' format (a "
+            "sampling interval that is a multiple of the micro-batches per optimizer step samples the same "
+            "micro-batch of each)."
+            if not _updated_steps(run)
+            else ""
+        )
     )
     accumulation_fix = (
         "Call prof.step() once per optimizer step, after optimizer.step() (pass the mean loss of its "
