@@ -188,6 +188,38 @@ def test_one_slow_unsampled_step_does_not_make_every_step_look_free() -> None:
     assert sum(map(bool, reasons)) < 0.3 * 600
 
 
+@pytest.mark.parametrize("every", [2, None])
+def test_a_pause_inside_a_sampled_step_is_not_precprofs_overhead(every: int | None) -> None:
+    """Time between notebook cells while attached lands in the step in progress (tester t2): a sampled step of
+    3.4 s among sampled ones of 0.45 s and unsampled ones of 0.3 s made the overhead 72% where it was 7%, and a
+    budgeted run stopped sampling until the run's time caught up. A sampled step over ``PAUSE_FACTOR`` times both
+    the recent sampled steps' median and the unsampled steps' time is a pause, not precprof's: counted at the
+    sampled steps' median time, the rest left out of the overhead and of the run's time, and said
+    (``paused_steps``, ``paused_s``)."""
+
+    def run(pause_at: int | None) -> tuple[S.Sampler, list[str]]:
+        s = S.Sampler(every=every, budget=0.3)
+        reasons: list[str] = []
+        for step in range(200):
+            reason = s.decide(step)
+            t = 0.45 if reason else 0.3
+            if pause_at is not None and reason and step >= pause_at:
+                t, pause_at = t + 3.0, None  # (the first sampled step from ``pause_at`` on)
+            s.observe(step, reason, t)
+            reasons.append(reason)
+        return s, reasons
+
+    plain, plain_reasons = run(None)
+    paused, paused_reasons = run(40)
+    assert paused.overhead == pytest.approx(plain.overhead)
+    assert paused_reasons == plain_reasons  # the budget did not back off
+    assert len(paused.paused_steps) == 1 and paused.paused_steps[0] >= 40
+    assert paused.paused_s == pytest.approx(3.0)
+    said = paused.describe()
+    assert said["paused_steps"] == paused.paused_steps and said["paused_s"] == pytest.approx(3.0)
+    assert "paused_steps" not in plain.describe() or not plain.describe()["paused_steps"]
+
+
 def test_the_median_and_the_expected_cost_are_their_windows_without_a_sort_or_stdev_per_decision(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -373,6 +373,7 @@ def _overhead(summary: Mapping[str, Any], tp: dict[str, Any]) -> str:
         said.append(withheld)
     else:
         said.extend(overhead_parts(sampling))
+        said.extend(_paused(sampling))
     if sampling.get("mode") == "budget" and isinstance(budget, (int, float)) and math.isfinite(budget):
         past = "" if withheld else past_budget(sampling)[0]  # steps sampled beyond it by design took it past
         said.append(f"budget {F.pct(float(budget))}" + (f", {past}" if past else ""))
@@ -423,6 +424,20 @@ def _overhead_unsampled(
     if not isinstance(every, (int, float)) or not math.isfinite(every) or every < 0:
         return ""
     return f"{F.pct(float(every))} of {time_of} (no step sampled; prof.step() on every step {F.pct(float(every))})"
+
+
+def _paused(sampling: Mapping[str, Any]) -> list[str]:
+    """The sampled steps that held a pause (``capture.sampling.paused_steps``, ``sampling.Sampler._pause``), in
+    words: counted at a sampled step's median time, the rest left out; none where there were none."""
+    steps, left = sampling.get("paused_steps"), sampling.get("paused_s")
+    if not isinstance(steps, list) or not steps or not isinstance(left, (int, float)):
+        return []
+    n = len(steps)
+    return [
+        f"{F.count(n)} sampled step{'s' if n != 1 else ''} ({', '.join(F.count(s) for s in steps[:6])}"
+        f"{', ...' if n > 6 else ''}) over 4x the others' time held a pause (time outside training, as between "
+        f"notebook cells): counted at their median time, {left:.2f} s left out"
+    ]
 
 
 def overhead_parts(sampling: Mapping[str, Any]) -> list[str]:
