@@ -852,6 +852,20 @@ def test_a_resume_that_put_the_loss_scale_back_to_its_start_is_said_with_the_rem
     assert "went back" not in f.message and "state_dict" not in f.remedy and "scale_resets" not in f.numbers
 
 
+def test_a_run_that_never_stepped_at_or_below_the_recommended_scale_is_told_to_profile_at_a_low_one() -> None:
+    """Every step skipped, each at or below the recommended scale (none a lower start avoids): the remedy said
+    "Use GradScaler(init_scale=...)"; with no init_scale remedy where no skip is avoidable, it must not read
+    "Nothing to change" beside a model that never trained."""
+    f = must(
+        _scaler_steps([2.0**8, 2.0**7, 2.0**6, 2.0**5], [True] * 4, resumed=None), "scaler_skipped_steps"
+    )
+    assert (
+        f.severity == "critical" and f.numbers["avoidable"] == 0 and f.numbers["recommended_scale"] > 2.0**8
+    )
+    assert f.remedy.startswith("Profile a few steps at a low scale (--loss-scale static:1)")
+    assert "init_scale" not in f.remedy and "Nothing to change" not in f.remedy
+
+
 def test_lost_updates_bf16_pure(request: pytest.FixtureRequest) -> None:
     g = torch.Generator().manual_seed(4)
     b = mlp_run(steps=1)

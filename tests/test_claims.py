@@ -862,11 +862,16 @@ def test_a_gradient_norm_nan_on_every_step_is_not_said_to_be_unrecorded(tmp_path
 
 
 def _one_spike_run(
-    out: Path, init_scale: float = 2.0**12, steps: int = 10, spike: int = 5, sample_every: int = 1
+    out: Path,
+    init_scale: float = 2.0**12,
+    steps: int = 10,
+    spike: int = 5,
+    sample_every: int = 1,
+    factor: float = 1e6,
 ) -> tuple[list[float], list[bool]]:
     """A dynamic GradScaler at ``init_scale`` (2^12: every step goes through) that never grows (growth_interval
-    2000), whose loss at step ``spike`` is multiplied by 1e6 (a gradient spike). Returns each step's scale and
-    whether it was skipped."""
+    2000), whose loss at step ``spike`` is multiplied by ``factor``: 1e6, a gradient spike; nan, a bad batch
+    (its loss nan). Returns each step's scale and whether it was skipped."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 4))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -877,7 +882,7 @@ def _one_spike_run(
             x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
             with torch.autocast("cpu", dtype=torch.float16):
                 out_ = model(x)
-            loss = out_.float().square().mean() * (1e6 if step == spike else 1.0)
+            loss = out_.float().square().mean() * (factor if step == spike else 1.0)
             scales.append(scaler.get_scale())
             backward_and_step(loss, opt, scaler)
             skipped.append(scaler.get_scale() < scales[-1])
@@ -929,6 +934,72 @@ def test_the_skips_a_lower_start_avoids_are_said_to_be_those_before_the_first_st
         f"the other {len(later)} happened above it but at or below a scale earlier steps had gone through at"
         in f.message
     )
+
+
+def _nan_batch_skip(out: Path, **kw: Any) -> tuple[Finding, list[bool]]:
+    """``_one_spike_run`` with a nan loss at step ``spike`` (a bad batch), sampled every 4th step so that the
+    step itself is not sampled (only the steps table has its loss): its scaler_skipped_steps finding, and whether
+    each step was skipped."""
+    _, skipped = _one_spike_run(out, sample_every=4, factor=math.nan, **kw)
+    steps = T.read_tables(out)["steps"].set_index(T.STEP)
+    spike = kw.get("spike", 5)
+    assert skipped[spike] and math.isnan(steps.loc[spike, T.LOSS]) and not steps.loc[spike, T.SAMPLED]
+    return next(f for f in precprof.recommend(out).findings if f.code == "scaler_skipped_steps"), skipped
+
+
+def test_a_skip_on_a_nan_loss_is_said_as_one_and_gets_no_init_scale_remedy(tmp_path: Path) -> None:
+    """One nan batch in an fp16 GradScaler run (its step not sampled), every other step through at 2^12: the
+    finding said "All 1 happened at or below the recommended 2^16 (gradient spikes, or non-finite values that no
+    scale fixes)" and told to "Use GradScaler(init_scale=65536)" while its own numbers said avoidable 0, spikes
+    0, from_model 0; started above the recommended scale (a resumed run's 2^15 below the scale it went on at),
+    the remedy said "the scaler backed off from a gradient spike". The steps table has the step's loss: nan, which
+    no loss scale avoids; the remedy names the step's batch (user-tester t5)."""
+    f, skipped = _nan_batch_skip(tmp_path / "low")
+    assert skipped == [s == 5 for s in range(10)]
+    assert f.numbers["avoidable"] == 0 and f.numbers["spikes"] == 0 and f.numbers["from_model"] == 0
+    assert "spike" not in f.message and "spike" not in f.remedy and "init_scale" not in f.remedy
+    assert f.remedy.startswith("Find the batch at step 5, whose loss was nan")
+    assert "It came on a step whose loss was nan (step 5)" in f.message
+    assert (
+        f.numbers["skipped"] == 1
+        and f.numbers["nonfinite_loss"] == 1
+        and f.numbers["nonfinite_loss_step"] == 5
+    )
+    # started above the recommended scale, where the gradients fit all the same: the skip at a scale steps had
+    # gone through at was called a gradient spike
+    rec = f.numbers["recommended_scale"]
+    f, skipped = _nan_batch_skip(tmp_path / "high", init_scale=2 * rec)
+    assert skipped == [s == 5 for s in range(10)]
+    assert f.numbers["recommended_scale"] == rec and f.numbers["start_scale"] == 2 * rec
+    assert "spike" not in f.message and "spike" not in f.remedy and "init_scale" not in f.remedy
+    assert f.remedy.startswith("Find the batch at step 5, whose loss was nan")
+    assert f.numbers["spikes"] == 0 and f.numbers["avoidable"] == 0 and f.numbers["nonfinite_loss"] == 1
+
+
+def test_a_gradient_spike_at_or_below_the_recommended_scale_gets_no_init_scale_remedy(tmp_path: Path) -> None:
+    """A finite loss 1e9 times the others' at step 5 (not sampled), every other step through at 2^12, below the
+    recommended scale: its gradients overflow at any scale a start would use, and the remedy said "Use
+    GradScaler(init_scale=...)" all the same, though no skip was avoidable (user-tester t5's finding's other
+    case)."""
+    scales, skipped = _one_spike_run(tmp_path / "run", sample_every=4, factor=1e9)
+    assert skipped == [s == 5 for s in range(10)]
+    f = next(f for f in precprof.recommend(tmp_path / "run").findings if f.code == "scaler_skipped_steps")
+    assert scales[5] <= f.numbers["recommended_scale"] and f.numbers["avoidable"] == 0
+    assert "nonfinite_loss" not in f.numbers and "init_scale" not in f.remedy
+    assert f.remedy.startswith("Nothing to change at the start: no initial scale avoids these skips")
+
+
+def test_a_nan_batch_leaves_the_init_scale_remedy_of_the_skips_a_lower_start_avoids(tmp_path: Path) -> None:
+    """The negative of the test above: started at 2^24, the scaler skips until it backs off to a scale that
+    fits, a lower start avoids those, and the remedy still says init_scale; the nan batch at step 15 is counted
+    apart and named."""
+    f, skipped = _nan_batch_skip(tmp_path / "run", init_scale=2.0**24, steps=20, spike=15)
+    rec, first_ok = f.numbers["recommended_scale"], skipped.index(False)
+    assert first_ok and all(skipped[:first_ok]) and skipped[15]
+    assert f.numbers["avoidable"] == first_ok and f.numbers["nonfinite_loss"] == 1
+    assert f.remedy.startswith(f"Use GradScaler(init_scale={int(rec)}).")
+    assert "Find the batch at step 15, whose loss was nan" in f.remedy
+    assert "1 of those skips came on a step whose loss was nan (step 15)" in f.message
 
 
 def _backoff_run(out: Path) -> tuple[list[float], list[bool]]:

@@ -122,6 +122,8 @@ LABELS: dict[Any, tuple[str, str] | None] = {
         "count",
     ),
     "from_model": ("skips from non-finite values in the model itself", "count"),
+    "nonfinite_loss": ("skips on steps whose loss was nan/inf (no loss scale avoids them)", "count"),
+    "nonfinite_loss_step": ("first step skipped with a nan/inf loss", "step"),
     "start_scale": ("initial loss scale", "scale"),
     "last_scale": ("loss scale at the end", "scale"),
     "steps_without_update": ("sampled steps without an optimizer step", "count"),

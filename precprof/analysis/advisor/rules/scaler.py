@@ -17,7 +17,7 @@ from precprof.analysis.advisor.evidence import (
     _steps_without_update,
 )
 from precprof.analysis.advisor.model import CRITICAL, INFO, WARNING, Finding
-from precprof.analysis.advisor.text import _g, _pow2, _scale
+from precprof.analysis.advisor.text import _g, _listed, _pow2, _scale
 from precprof.modes import FP64
 
 
@@ -200,6 +200,23 @@ def _never_stepped(st: pd.DataFrame, n: int, model: int, rec: float, bound: bool
     return head + cause
 
 
+def _nonfinite_losses(st: pd.DataFrame) -> dict[int, float]:
+    """The steps of ``st`` whose loss the loop passed and was nan or inf, with their loss. Only a steps table that
+    marks the steps without a loss (``NO_LOSS``) tells a nan loss, written as a null, from no loss at all."""
+    if st.empty or T.NO_LOSS not in st or T.LOSS not in st:
+        return {}
+    given = T.given_losses(T.finished_steps(st))
+    loss = pd.to_numeric(given[T.LOSS], errors="coerce").to_numpy(dtype=float)
+    bad = ~np.isfinite(loss)
+    return {int(s): float(v) for s, v in zip(given[T.STEP][bad], loss[bad], strict=True)}
+
+
+def _loss_said(losses: list[float]) -> str:
+    """What non-finite ``losses`` were: "nan", "inf" or "nan or inf"."""
+    kinds = {"inf" if math.isinf(v) else "nan" for v in losses}
+    return kinds.pop() if len(kinds) == 1 else "nan or inf"
+
+
 def _which_skipped(run: _Run) -> str:
     """With several optimizers under the scaler: whose steps it skipped, each one's count ("" with one). A
     step is counted as skipped when any of them was (the steps table's ``skipped``)."""
@@ -240,22 +257,29 @@ def _rule_scaler(run: _Run, plan: _Plan) -> None:
         # fault: no init_scale avoids them, whatever scale they happened at.
         from_model = sk[T.STEP].isin(plan.model_skips)
         model = int(from_model.sum())
-        others = n - model
+        # ... nor are those of a step whose loss was already nan/inf (a bad batch, the model's forward on it):
+        # the steps table has every step's loss, where the non-finite rule reads the sampled steps alone
+        losses = _nonfinite_losses(st)
+        bad_loss = sk[T.STEP].isin(losses) & ~from_model
+        lost = sorted(int(s) for s in sk[bad_loss][T.STEP])
+        nl = len(lost)
+        no_scale = from_model | bad_loss  # skips no loss scale avoids
+        others = n - model - nl
         first_ok = st.index[~skipped]
         start = float(scale.iloc[0])
         settled = float(scale[~skipped].iloc[0]) if len(first_ok) else None
         # above the recommended scale: before the first step that went through, the start's fault (a lower
         # start avoids them); after it, a dynamic scaler's growth probing its ceiling, which a lower start grows
         # back into after as many growth intervals (a static scale never grows: all the start's)
-        above = sk[~from_model][T.LOSS_SCALE] > rec
+        above = sk[~no_scale][T.LOSS_SCALE] > rec
         backed_off = bool(len(first_ok)) and not _static_scale(st)  # a dynamic scaler: a step went through
-        later = sk[~from_model][T.STEP] > st.loc[first_ok[0], T.STEP] if backed_off else above & False
+        later = sk[~no_scale][T.STEP] > st.loc[first_ok[0], T.STEP] if backed_off else above & False
         # a probe is a skip at a scale the scaler grew to, above every scale a step had gone through at before;
         # a skip at a scale steps went through at is a gradient spike (a lower start grows back to it too)
         # (cummax leaves a skipped step's NaN as NaN: the highest scale so far is carried over it, or a skip at a
         # lower scale after a backoff read as grown past nothing)
         went_through = scale.where(~skipped).cummax().ffill().shift(1)
-        grown = later & (sk[~from_model][T.LOSS_SCALE] > went_through[sk[~from_model].index].fillna(0.0))
+        grown = later & (sk[~no_scale][T.LOSS_SCALE] > went_through[sk[~no_scale].index].fillna(0.0))
         avoid, probes = int((above & ~later).sum()), int((above & grown).sum())
         # the recommended scale rests on a lower bound of the largest gradient: the most a start can be, not a scale
         # known to fit, so the skips above it are not counted as ones a start there avoids
@@ -270,9 +294,17 @@ def _rule_scaler(run: _Run, plan: _Plan) -> None:
                 f"{model} of those skips came with nan/inf from the model itself (see the non-finite "
                 "finding), which no loss scale avoids"
             )
+        if nl:
+            kind = _loss_said([losses[s] for s in lost])
+            at = f"step{'s' if nl > 1 else ''} {_listed([str(s) for s in lost], 5)}"
+            who_nl = "It" if n == 1 else f"All {n}" if nl == n else f"{nl} of those skips"
+            parts.append(
+                f"{who_nl} came on {'a step' if nl == 1 else 'steps'} whose loss was {kind} ({at}): the batch, or "
+                "the model's forward on it, made the loss non-finite before any scaling, which no loss scale avoids"
+            )
         if others:
             head = unsure or avoid
-            lead = f"Of the other {others}, {head}" if model else f"{head} of those skips"
+            lead = f"Of the other {others}, {head}" if model or nl else f"{head} of those skips"
             if unsure:
                 part = (
                     f"{lead} happened at a scale above {_pow2(k)}, the most a start can be; whether a start "
@@ -288,13 +320,15 @@ def _rule_scaler(run: _Run, plan: _Plan) -> None:
                     f"{_scale(k)} avoids them"
                 )
             elif probes:
-                part = f"{'Of the other ' + str(others) + ', ' if model else ''}{_probes(probes, settled)}"
+                part = (
+                    f"{'Of the other ' + str(others) + ', ' if model or nl else ''}{_probes(probes, settled)}"
+                )
                 if others - probes:
                     rest = others - probes
                     part += f"; the other {rest} {_went_through(rest, spikes, f'the recommended {_pow2(k)}')}"
             else:
                 part = (
-                    f"{'The other' if model else 'All'} {others} "
+                    f"{'The other' if model or nl else 'All'} {others} "
                     f"{_went_through(others, spikes, f'the recommended {_pow2(k)}')}"
                 )
             if head:
@@ -332,8 +366,21 @@ def _rule_scaler(run: _Run, plan: _Plan) -> None:
             + "). "
             + ". ".join(parts)
             + "."
-            + (_never_stepped(st, n, model, rec, plan.grad_absmax_bound, plan.grad_absmax) if never else "")
+            + (
+                _never_stepped(st, n, model + nl, rec, plan.grad_absmax_bound, plan.grad_absmax)
+                if never
+                else ""
+            )
             + (_resets_said(resets, st) if resets else "")
+        )
+        # a step whose loss was nan/inf: its batch, or the model's forward on it, is what to look at
+        batch_fix = (
+            f"Find the batch{'es' if nl > 1 else ''} at {at}, whose loss was {kind}: check "
+            f"{'its' if nl == 1 else 'their'} inputs and labels, and the model's forward on "
+            f"{'it' if nl == 1 else 'them'} (a log or division of 0, an fp16 overflow); no loss scale fixes a "
+            "non-finite loss."
+            if nl
+            else ""
         )
         remedy = (
             f"Use a dynamic GradScaler (it backs off until steps go through) at init_scale={_scale(k)} at the "
@@ -341,15 +388,25 @@ def _rule_scaler(run: _Run, plan: _Plan) -> None:
             "size it."
             if unsure
             else f"Use GradScaler(init_scale={_scale(k)})" + (" or lower." if plan.grad_absmax_bound else ".")
-            if avoid or not (model or probes or spikes == others)
+            if avoid
+            else "Remove the source of the nan/inf (see the non-finite finding); the loss scale is not the cause."
+            if model
+            else ""  # only skips of a non-finite loss: what to do is the batch's (batch_fix)
+            if not others
             else "Nothing to change at the start: the scaler backed off from a gradient spike at a scale earlier "
             "steps had gone through at, as it is made to."
-            if spikes == others and not (model or probes)
+            if spikes == others and not probes
             else "Nothing to change at the start: a dynamic scaler finds its ceiling by overflowing there now and "
             "then; a longer growth_interval makes those skips rarer."
-            if probes and not model
-            else "Remove the source of the nan/inf (see the non-finite finding); the loss scale is not the cause."
+            if probes
+            else "Profile a few steps at a low scale (--loss-scale static:1) to see whether the gradients are "
+            "finite at any scale: no step went through at the scales this run tried, at or below the recommended one."
+            if never
+            else f"Nothing to change at the start: no initial scale avoids these skips, each at or below the "
+            f"recommended {_pow2(k)} or at a scale steps had gone through at; the scaler skipped those steps as it "
+            "is made to."
         )
+        remedy = " ".join(r for r in (remedy, batch_fix) if r)
         if resets:
             remedy += (
                 " Save scaler.state_dict() in the checkpoint beside the model's and the optimizer's, and "
@@ -391,6 +448,8 @@ def _rule_scaler(run: _Run, plan: _Plan) -> None:
                     # the scale back to its start (only where there were such: the numbers of other runs as they were)
                     **({"lowest_scale": float(scale.min())} if never else {}),
                     **({"scale_resets": len(resets)} if resets else {}),
+                    # the skips of steps whose loss was nan/inf (only where there were such), the first of them
+                    **({"nonfinite_loss": nl, "nonfinite_loss_step": lost[0]} if nl else {}),
                 },
             )
         )
