@@ -14,8 +14,10 @@ from scenarios import dead_layers, relu_zeros, tiny_gradients
 from scenarios.loop import ProfiledRun, regression_batches, train_profiled
 from torch import nn
 
+import precprof
 from precprof import tables as T
 from precprof.analysis.advisor import AdvisorConfig
+from precprof.analysis.advisor.text import _pct
 
 
 def _flushes(seen: list[torch.Tensor]) -> tuple[float, float]:
@@ -532,3 +534,96 @@ def test_structural_zeros_and_a_loss_that_moves_little_are_no_stall(steps: int) 
     assert (
         "the loss fell by" in f.message
     )  # its direction said: "changed by 28%" of a loss that rose (tester t2)
+
+
+def _scaler_run(
+    init_scale: float,
+    growth_factor: float = 2.0,
+    growth_interval: int = 2000,
+    autocast: bool = False,
+    steps: int = 4,
+) -> tuple[ProfiledRun, list[list[torch.Tensor]], list[float]]:
+    """tiny_gradients' MLP (loss weighted by 2^-16) under GradScaler("cpu", init_scale, growth_factor,
+    growth_interval), fp32 or fp16 autocast. Returns the run, every step's layer-output gradients as the test's
+    own hooks saw them (scaled, as the backward held them) and each step's scale (GradScaler's, read before its
+    backward)."""
+    torch.manual_seed(0)
+    model = tiny_gradients.TinyGradNet()
+    seen = relu_zeros.output_gradients(model, (nn.Linear, nn.Tanh))  # type: ignore[arg-type]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler(
+        "cpu", init_scale=init_scale, growth_factor=growth_factor, growth_interval=growth_interval
+    )
+    batches = regression_batches(tiny_gradients.N_IN)
+    per_step: list[list[torch.Tensor]] = []
+    scales: list[float] = []
+    losses: list[float] = []
+    prof = precprof.Profiler(model, optimizer=opt, scaler=scaler, sample_every=1, memory=False)
+    with prof:
+        for step in range(steps):
+            x, y = batches(step)
+            scales.append(float(scaler.get_scale()))
+            before = len(seen)
+            with torch.autocast("cpu", dtype=torch.float16, enabled=autocast):
+                loss = tiny_gradients.weighted_mse(model(x), y)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+            prof.step(loss=loss.detach())
+            per_step.append(seen[before:])
+            losses.append(loss.item())
+    summary = {
+        T.SUMMARY_CONFIG: {"precision": "fp16" if autocast else "fp32"},
+        T.SUMMARY_MODEL: {"n_params": sum(p.numel() for p in model.parameters())},
+        T.SUMMARY_CAPTURE: prof.summary(),
+    }
+    return ProfiledRun(prof.tables(), summary, losses), per_step, scales
+
+
+def _flushed_at(per_step: list[list[torch.Tensor]], scales: list[float], target: float) -> float:
+    """The share of the nonzero gradient values (each step's, unscaled by its own scale) that fp16 flushes at
+    ``target``, the values exactly on 2^-25 left out as the histograms leave them out."""
+    v = torch.cat([g.double().flatten() / scales[s] for s, gs in enumerate(per_step) for g in gs])
+    v = v[v != 0] * target
+    return float(((v.half() == 0) & (v.abs() != 2.0**-25)).double().mean())
+
+
+def test_the_underflow_share_is_of_the_scale_the_run_had_when_it_is_no_power_of_two() -> None:
+    """GradScaler(init_scale=1000): 2^9.97, a scale no power of two. The finding said '... at the run's scale
+    2^10 (1024)', a scale the run never had (t2's Accelerate run at 3,814,697 read 2^22 (4194304)). It names the
+    run's own scale now, and its share is the one at that scale: the histograms of a row are its values' binades
+    at the row's scale, moved by a whole number of binades, so the share there is exact, as the test's own
+    hooks count it."""
+    run, per_step, scales = _scaler_run(1000.0)
+    assert set(scales) == {1000.0}
+    f = run.recommend("t4").finding("fp16_gradient_underflow")
+    assert f is not None
+    assert f.numbers["run_scale"] == 1000.0 and f.numbers["run_scale_log2"] == pytest.approx(
+        math.log2(1000.0)
+    )
+    truth = _flushed_at(per_step, scales, 1000.0)
+    assert 0.001 < truth < 0.999  # some flush at the run's scale, not all
+    assert f.numbers["share_at_run_scale"] == pytest.approx(truth, rel=1e-12)
+    assert "share_at_run_scale_at_most" not in f.numbers  # exact: no bound
+    said = f"at the run's scale 1000 (2^{math.log2(1000.0):.2f})"
+    assert said in f.title and "2^10 (1024)" not in f.title + f.message
+    assert f"at the run's loss scale 1000 (2^{math.log2(1000.0):.2f})" in f.message
+
+
+def test_a_share_at_the_runs_scale_from_rows_at_other_scales_is_bounded() -> None:
+    """A scaler that grows by 3 each step holds its rows at 1000, 3000, 9000 and 27000: the run's scale (the
+    median of its rows' scales, one it had: 9000) is no power of two away from the others', whose binades fall
+    across fp16's flush point there. The share is given as the bound it is (the binade across the flush point
+    may flush in part), and the truth (the test's own hooks) lies within it."""
+    run, per_step, scales = _scaler_run(1000.0, growth_factor=3.0, growth_interval=1)
+    assert scales == [1000.0, 3000.0, 9000.0, 27000.0]
+    f = run.recommend("t4").finding("fp16_gradient_underflow")
+    assert f is not None and f"at the run's scale 9000 (2^{math.log2(9000.0):.2f})" in f.title
+    assert f.numbers["run_scale"] == 9000.0
+    truth = _flushed_at(per_step, scales, 9000.0)
+    lo, hi = f.numbers["share_at_run_scale_at_least"], f.numbers["share_at_run_scale_at_most"]
+    assert f.numbers["share_at_run_scale"] is None
+    assert lo < hi and lo <= truth <= hi
+    assert f"between {_pct(lo)} and {_pct(hi)} at the run's scale 9000 (2^{math.log2(9000.0):.2f})" in f.title
+    assert "(bounded: the values of the rows held at scales a fraction of a binade away" in f.message

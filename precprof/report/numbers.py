@@ -43,6 +43,16 @@ LABELS: dict[Any, tuple[str, str] | None] = {
     "share_at_scale_1": ("lost in FP16 without loss scaling", "share"),
     "share_at_recommended": ("lost in FP16 at the recommended loss scale", "share"),
     "share_at_run_scale": ("lost in FP16 at this run's loss scale (from the histograms)", "share"),
+    # a share at a scale some rows were held a fraction of a binade away from: bounded
+    "share_at_run_scale_at_least": (
+        "lost in FP16 at this run's loss scale, at least (from the histograms)",
+        "share",
+    ),
+    "share_at_run_scale_at_most": (
+        "lost in FP16 at this run's loss scale, at most (from the histograms)",
+        "share",
+    ),
+    "run_scale": ("this run's loss scale", "scale"),
     "loss_scale_log2": ("recommended loss scale", "scale_log2"),
     "run_scale_log2": ("this run's loss scale", "scale_log2"),
     "nonzero_values": ("nonzero values counted", "count"),
@@ -392,7 +402,11 @@ def _repeats(name: str, numbers: Mapping[str, Any]) -> bool:
     scaling: shown only where neither is (a GradScaler run whose activation gradients were all fp16, which no
     exact count reads, showed its share at scale 1 alone)."""
     unscaled = numbers.get("run_scale_log2") == 0
-    if name == "share_at_run_scale":
+    if (
+        name == "run_scale_log2"
+    ):  # the scale itself, where the finding gives it (an older one gives its log2 alone)
+        return _measured(numbers.get("run_scale"))
+    if name in ("share_at_run_scale", "share_at_run_scale_at_least", "share_at_run_scale_at_most"):
         return unscaled or _measured(numbers.get("share_now"))
     return name == "share_at_scale_1" and unscaled and _measured(numbers.get("share_now"))
 

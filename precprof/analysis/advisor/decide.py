@@ -9,7 +9,7 @@ from precprof.analysis.advisor.config import AdvisorConfig
 from precprof.analysis.advisor.evidence import _Plan, _Run
 from precprof.analysis.advisor.model import CRITICAL, INFO, WARNING, Recommendation
 from precprof.analysis.advisor.rules.fp8 import _and, held_back_remedy, speed_keep_remedy, token_counts
-from precprof.analysis.advisor.text import _g, _listing, _name, _pct, _pow2, _scale
+from precprof.analysis.advisor.text import _g, _listing, _loss_scale_said, _name, _pct, _pow2, _scale
 from precprof.taxonomy import FP8_DIM_MULTIPLE
 
 
@@ -551,7 +551,11 @@ def _underflow_said(plan: _Plan) -> str:
     0%" on a run that had flushed 98.5% of them)."""
     nums = next((f.numbers for f in plan.findings if f.code == "fp16_gradient_underflow"), {})
     flushed, k_run = nums.get("fp16_flushed_zero_share"), nums.get("run_scale_log2")
-    at = f"the run's loss scale {_pow2(k_run)}" if isinstance(k_run, int) and k_run else "loss scale 1"
+    # the scale the run had (an older finding gives only its log2, a whole number)
+    run_scale = nums.get("run_scale")
+    if not isinstance(run_scale, float):
+        run_scale = 2.0**k_run if isinstance(k_run, int) else 1.0
+    at = f"the run's loss scale {_loss_scale_said(run_scale)}" if run_scale != 1.0 else "loss scale 1"
     at_most = nums.get("fp16_flushed_at_most")
     if nums.get("fp16_flushed") and isinstance(at_most, float):
         return (

@@ -38,6 +38,17 @@ def _scale(k: int) -> str:
     return str(2**k) if k >= 0 else repr(2.0**k)
 
 
+def _loss_scale_said(x: float) -> str:
+    """A loss scale a run had, in words: "2^16 (65536)" for a power of two, else the scale itself, as GradScaler
+    held it to fp32's 7 digits, with its log2 to two places: "1000 (2^9.97)", "953674.3 (2^19.86)" (rounded to a
+    power of two it read as "2^20 (1048576)", a scale the run never had)."""
+    if not (x > 0 and math.isfinite(x)):
+        return _g(x)
+    if math.frexp(x)[0] == 0.5:
+        return _pow2(_log2i(x))
+    return f"{x:.7g} (2^{math.log2(x):.2f})"
+
+
 def _log2i(x: float) -> int:
     return math.frexp(x)[1] - 1
 

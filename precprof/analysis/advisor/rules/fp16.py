@@ -51,7 +51,18 @@ from precprof.analysis.advisor.rules.kept_gradients import (
 from precprof.analysis.advisor.rules.nonfinite import _first_origin
 from precprof.analysis.advisor.rules.scaler import _rule_scaler
 from precprof.analysis.advisor.rules.updates import bf16_gradient_underflow
-from precprof.analysis.advisor.text import _g, _listed, _listing, _log2i, _name, _pct, _pow2, _scale, _scales
+from precprof.analysis.advisor.text import (
+    _g,
+    _listed,
+    _listing,
+    _log2i,
+    _loss_scale_said,
+    _name,
+    _pct,
+    _pow2,
+    _scale,
+    _scales,
+)
 from precprof.formats import FP16, FP32_MAX_EXPONENT
 
 
@@ -1021,15 +1032,23 @@ def _flushed_modules(run: _Run, rows: pd.DataFrame) -> _Flush:
     )
 
 
+def _held_bins(exponent: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """The binades of histogram rows' values as the backward held them, at each row's loss scale ``scale``: the
+    capture counted the held values' binades and moved them by the rounded log2 of the scale (``stats.decode``), a
+    whole number of binades, which this moves back (exact at any scale; moved by the scale's own log2, a row at
+    1000, 2^9.97, read a binade below the one it held its values in)."""
+    ok = (scale > 0) & np.isfinite(scale)
+    return exponent + np.round(np.log2(np.where(ok, scale, 1.0)))
+
+
 def _at_fp16_floor(run: _Run, rows: pd.DataFrame, below: int = FP16.min_exponent + 1) -> pd.Series:
     """Per module of the fp16 activation-gradient ``rows``, the nonzero values fp16 held below 2^``below`` (by
-    default at its smallest subnormal, 2^-24): from the rows' histograms, whose bins are of unscaled values, moved
-    by each row's loss scale."""
+    default at its smallest subnormal, 2^-24): from the rows' histograms, as held at each row's loss scale
+    (``_held_bins``)."""
     hist = run.hist[_rows_of_kinds(run.hist[T.TENSOR], (T.ACTIVATION_GRAD,))]
     at = _row_index(hist, rows)
     ok = at >= 0
-    scale = rows[T.SCALE].to_numpy(dtype=float)[at[ok]]
-    held = hist[T.EXPONENT].to_numpy(dtype=float)[ok] + np.log2(np.where(scale > 0, scale, 1.0))
+    held = _held_bins(hist[T.EXPONENT].to_numpy(dtype=float)[ok], rows[T.SCALE].to_numpy(dtype=float)[at[ok]])
     floor = held < below
     modules = T.texts(rows[T.MODULE]).to_numpy()[at[ok]][floor]
     return pd.Series(hist[T.COUNT].to_numpy(dtype=float)[ok][floor]).groupby(modules).sum()
@@ -1161,19 +1180,20 @@ def _flushed_said(run: _Run, fl: _Flush, every: bool, scaled: bool) -> tuple[str
     ), method
 
 
-def _flushed_remedy(fl: _Flush, every: bool, k: int, k_run: int | None) -> str:
-    """What to do about gradients flushed at the scale the run had (``k_run``; None without a loss scaler): a
+def _flushed_remedy(fl: _Flush, every: bool, k: int, run_scale: float | None) -> str:
+    """What to do about gradients flushed at the scale the run had (``run_scale``; None without a loss scaler): a
     larger scale where the measured gradients allow one (2^k), else a format with more range."""
-    if k_run is not None and k <= k_run:
+    if run_scale is not None and 2.0**k <= run_scale:
         return (
             f"No larger loss scale fits: the largest the measured gradients allow, {_pow2(k)}, is not above the "
-            f"run's {_pow2(k_run)}, where these gradients flushed. Train in bf16 (its range reaches 2^-133) or "
+            f"run's {_loss_scale_said(run_scale)}, where these gradients flushed. Train in bf16 (its range reaches 2^-133) or "
             "fp32, or keep the layers these gradients pass through in fp32."
         )
     if every or fl.empty:
         lift = (
-            f"which lifts every gradient {k - k_run} binade(s) above the run's {_pow2(k_run)}"
-            if k_run is not None
+            f"which lifts every gradient {_binades_above(k, run_scale)} binade(s) above the run's "
+            f"{_loss_scale_said(run_scale)}"
+            if run_scale is not None
             else f"which lifts a gradient at fp16's flush point (2^-25) to {_scale(k - 25)}"
         )
         return (
@@ -1184,19 +1204,58 @@ def _flushed_remedy(fl: _Flush, every: bool, k: int, k_run: int | None) -> str:
     return (
         f"Scale the loss: GradScaler(init_scale={_scale(k)}), the largest scale the measured gradients allow, lifts "
         "them off fp16's floor"
-        + (f" ({k - k_run} binade(s) above the run's {_pow2(k_run)})" if k_run is not None else "")
+        + (
+            f" ({_binades_above(k, run_scale)} binade(s) above the run's {_loss_scale_said(run_scale)})"
+            if run_scale is not None
+            else ""
+        )
         + "; or train in bf16."
     )
 
 
-def _run_scale_log2(ag: pd.DataFrame) -> int:
-    """log2 of the loss scale the run trained at: the median over the activation-gradient rows ``ag``, those
-    of the steps the optimizer took (a skipped step's scale is one the scaler left), rounded; 0 (scale 1) without
-    any. The median of the distinct scales was read: a scaler that backed off from 2^16 through 2^12 to the 2^11
-    it then trained at read as 2^14."""
-    scales = pd.to_numeric(ag[T.SCALE], errors="coerce").dropna()
-    scales = scales[scales > 0]
-    return round(math.log2(float(scales.median()))) if len(scales) else 0
+def _run_scale(ag: pd.DataFrame) -> float:
+    """The loss scale the run trained at: the median of the scales of the activation-gradient rows ``ag``, those
+    of the steps the optimizer took (a skipped step's scale is one the scaler left), the higher middle one of an
+    even count, so that it is a scale the run had (their mean, or a log2 rounded to a power of two, may be none
+    it had: GradScaler(init_scale=1e12) backed off to 953674.3, read as 2^20); 1 without any. The median of the
+    distinct scales was read: a scaler that backed off from 2^16 through 2^12 to the 2^11 it then trained at read
+    as 2^14."""
+    scales = np.sort(pd.to_numeric(ag[T.SCALE], errors="coerce").to_numpy(dtype=float))
+    scales = scales[np.isfinite(scales) & (scales > 0)]
+    return float(scales[len(scales) // 2]) if len(scales) else 1.0
+
+
+def _flushed_at_scale(hist: pd.DataFrame, rows: pd.DataFrame, target: float) -> tuple[float, float]:
+    """(values that fp16 surely flushes at loss scale ``target``, those it may) of the activation-gradient
+    histogram rows ``hist``, each as held at its layer row's scale in ``rows`` (``_held_bins``), then moved to
+    ``target``: by a whole number of binades where ``target`` is a power of two times that scale (every row of a
+    scaler whose factors are powers of two: GradScaler's defaults), where the count is exact (the values lying
+    exactly on 2^-25, which round to 0, left out as ``_shifted_underflow`` leaves them); by a fraction of one
+    otherwise, where the binade across fp16's flush point may flush in part, so the count is bounded by it."""
+    if hist.empty:
+        return 0.0, 0.0
+    at = _row_index(hist, rows)
+    held = rows[T.SCALE].to_numpy(dtype=float)
+    scale = np.where(at >= 0, held[np.clip(at, 0, None)] if len(held) else 1.0, 1.0)
+    scale = np.where((scale > 0) & np.isfinite(scale), scale, 1.0)
+    b = _held_bins(hist[T.EXPONENT].to_numpy(dtype=float), scale)
+    d = np.log2(target / scale)  # exact where the ratio is a power of two
+    lim = _log2i(FP16.underflow_max)
+    count = hist[T.COUNT].to_numpy(dtype=float)
+    sure = b + 1 + d <= lim
+    maybe = ~sure & (d != np.round(d)) & (b + d < lim)
+    return float(count[sure].sum()), float(count[maybe].sum())
+
+
+def _at_run_said(lo: float | None, hi: float | None) -> str:
+    """The share lost at the run's scale, exact (``lo`` == ``hi``) or as the bound it is."""
+    return _pct(lo) if hi is None or lo == hi else f"between {_pct(lo)} and {_pct(hi)}"
+
+
+def _binades_above(k: int, run_scale: float) -> str:
+    """How many binades 2^k is above ``run_scale``: a whole number for a power of two, else to two places."""
+    d = k - math.log2(run_scale)
+    return f"{round(d)}" if d == round(d) else f"{d:.2f}"
 
 
 def _sampled_steps(run: _Run) -> set[int]:
@@ -1294,28 +1353,39 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan, kept: KeptGradients) -> None:
     # gradients are all fp16 (CPU autocast keeps its norms in fp16) was read as unscaled and told to scale its
     # loss. A recommended scale below it that loses more of the gradients' values than the run did is no
     # remedy when those values carry some of a module's gradient norm: the gradients span more than fp16 holds.
-    k_run = _run_scale_log2(ag)
-    at_run = _share(_shifted_underflow(counts, FP16, k_run)[0], total)
+    # Its share there is that of each row's values as held (``_flushed_at_scale``): exact at a scale no power of
+    # two too (953674.3 was read as 2^20), bounded where rows were held a fraction of a binade away from it.
+    run_scale = _run_scale(ag)
+    unscaled = run_scale == 1.0
+    ag_hist = run.hist[_rows_of_kinds(run.hist[T.TENSOR], (T.ACTIVATION_GRAD,))]
+    ag_hist = ag_hist[~kept.rows(ag_hist).to_numpy() & ~T.texts(ag_hist[T.MODULE]).isin(stay32).to_numpy()]
+    run_sure, run_maybe = _flushed_at_scale(ag_hist, ag, run_scale)
+    at_run, at_run_hi = _share(run_sure, total), _share(run_sure + run_maybe, total)
     # Held in fp16 at scale 1, a gradient below 2^-25 was a zero before precprof read it: the histograms of those
     # tensors hold nothing fp16 flushed, and their share at scale 1 is unknown, not 0% (an unscaled fp16 llm.c
     # run read '0% at scale 1 ... Nothing to fix' where the same run in fp32 had 0.48% below fp16's floor). The
     # share at scale 1 is that of the tensors that were not fp16, or none.
-    blind = k_run == 0 and not is16.empty
+    blind = unscaled and not is16.empty
     if blind:
         seen = _exponent_counts(totals[~totals[T.MODULE].isin(set(is16[T.MODULE]))], (T.ACTIVATION_GRAD,))
-        at1 = at_run = _share(_shifted_underflow(seen, FP16, 0)[0], float(seen.sum()))
+        at1 = at_run = at_run_hi = _share(_shifted_underflow(seen, FP16, 0)[0], float(seen.sum()))
+    at_run_said = _at_run_said(at_run, at_run_hi)
+    run_said = _loss_scale_said(run_scale)
     norm = _lost_norm_share(totals, FP16, k)
     norm_k = float(norm.max()) if not norm.empty else None
     norm_mod = str(norm.idxmax()) if not norm.empty else None
     residual_matters = norm_k is None or norm_k > cfg.fp16_underflow_norm_ok
     worse_than_run = (
-        k < k_run and atk is not None and (atk - (at_run or 0.0)) > cfg.fp16_underflow_ok and residual_matters
+        2.0**k < run_scale
+        and atk is not None
+        and (atk - (at_run_hi or 0.0)) > cfg.fp16_underflow_ok
+        and residual_matters
     )
     if worse_than_run:
         plan.fp16_scale_raises_underflow = True
         plan.fp16_block.append(
-            f"the largest fp16 loss scale the gradients allow, {_pow2(k)}, is below the {_pow2(k_run)} this run "
-            f"had and raises activation-gradient underflow from {_pct(at_run)} to {_pct(atk)}"
+            f"the largest fp16 loss scale the gradients allow, {_pow2(k)}, is below the {run_said} this run "
+            f"had and raises activation-gradient underflow from {at_run_said} to {_pct(atk)}"
         )
     plan.underflow_now, plan.underflow_at_1, plan.underflow_at_rec = now, at1, atk
     wg = _exponent_counts(every, (T.WEIGHT_GRAD,))
@@ -1338,12 +1408,17 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan, kept: KeptGradients) -> None:
             + f"{_pct(atk)} would flush at the recommended scale {_pow2(k)}"
             if blind
             else f"{left_said}): {_pct(at1)} at scale 1 and {_pct(atk)} at the recommended scale {_pow2(k)}"
-            if k_run == 0
+            if unscaled
             # a scaled run's own share comes first: scale 1 is only what it would lose without its scaler (a
             # GradScaler run at 2^16 read '0.191% at scale 1', taken for what the run lost, which was 0%)
-            else f"{left_said}): {_pct(at_run)} at the run's loss scale {_pow2(k_run)}, {_pct(at1)} at scale 1 had it "
-            "scaled "
-            f"no loss, and {_pct(atk)} at the recommended scale {_pow2(k)}"
+            else f"{left_said}): {at_run_said} at the run's loss scale {run_said}"
+            + (
+                " (bounded: the values of the rows held at scales a fraction of a binade away from it fall across "
+                "a binade's edge there)"
+                if at_run != at_run_hi
+                else ""
+            )
+            + f", {_pct(at1)} at scale 1 had it scaled no loss, and {_pct(atk)} at the recommended scale {_pow2(k)}"
         )
         + (
             f" (plus at most {int(boundary_k):,} values lying exactly on 2^-25, which round to 0)"
@@ -1424,8 +1499,8 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan, kept: KeptGradients) -> None:
         severity = CRITICAL if (atk or 0) > cfg.fp16_underflow_block else WARNING
         remedy = (
             f"Use {_wider_than_fp16(run)}: no fp16 loss scale fits these gradients (the scale that avoids "
-            f"overflow, {_pow2(k)}, flushes {_pct(atk)} of them, against {_pct(at_run)} at the run's "
-            f"{_pow2(k_run)})."
+            f"overflow, {_pow2(k)}, flushes {_pct(atk)} of them, against {at_run_said} at the run's "
+            f"{run_said})."
         )
     elif atk is not None and atk > cfg.fp16_underflow_block and residual_matters:
         severity = CRITICAL
@@ -1436,16 +1511,16 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan, kept: KeptGradients) -> None:
     elif flushed or thin:
         # a stalled run, or one in which a module received no gradient at all, lost its gradients, not a tail
         severity = CRITICAL if (stalled or fl.empty) and not thin else WARNING
-        remedy = _flushed_remedy(fl, all_zero16, k, k_run if scaled else None)
+        remedy = _flushed_remedy(fl, all_zero16, k, run_scale if scaled else None)
     elif (
         (at1 or 0) > cfg.fp16_underflow_ok
-        and k_run > 0
-        and (at_run or 0) <= cfg.fp16_underflow_ok
+        and run_scale > 1.0
+        and (at_run_hi or 0) <= cfg.fp16_underflow_ok
         and (now or 0) <= cfg.fp16_underflow_ok
     ):
         severity = INFO  # lost at scale 1, but the run scales its loss, and enough
         remedy = (
-            f"Nothing to fix: at the run's loss scale {_pow2(k_run)}, {_pct(at_run)} of the values recorded flush"
+            f"Nothing to fix: at the run's loss scale {run_said}, {at_run_said} of the values recorded flush"
             + (
                 f"; at the recommended {_pow2(k)}, {_pct(atk)}, carrying at most {_pct(norm_k)} of a module's "
                 "gradient norm: a negligible tail."
@@ -1501,7 +1576,7 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan, kept: KeptGradients) -> None:
             if flushed
             # (at the run's scale 1, the exact count, which the report shows: the histograms' is a lower bound)
             else _underflow_title(
-                now if k_run == 0 and now is not None else at1, atk, k, blind, (at_run, k_run)
+                now if unscaled and now is not None else at1, atk, k, blind, (at_run_said, run_scale)
             ),
             msg,
             remedy,
@@ -1525,8 +1600,18 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan, kept: KeptGradients) -> None:
                 **({"skipped_steps_left_out": left_out} if left_out else {}),
                 **({"kept_fp32_left_out": len(kept.modules)} if kept.left_out else {}),
                 "loss_change": loss_change,
-                "share_at_run_scale": at_run,
-                "run_scale_log2": k_run,
+                # exact at the run's scale, or bounded (``_flushed_at_scale``): then the bounds, not one share
+                "share_at_run_scale": at_run if at_run == at_run_hi else None,
+                **(
+                    {"share_at_run_scale_at_least": at_run, "share_at_run_scale_at_most": at_run_hi}
+                    if at_run != at_run_hi
+                    else {}
+                ),
+                "run_scale": run_scale,
+                # a whole number for a power of two, as before; the exact log2 of any other scale
+                "run_scale_log2": _log2i(run_scale)
+                if math.frexp(run_scale)[0] == 0.5
+                else math.log2(run_scale),
                 "weight_grad_share_at_recommended": wg_share,
                 "max_module_norm_share_at_recommended": norm_k,
                 "max_norm_share_module": norm_mod,
@@ -1536,17 +1621,17 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan, kept: KeptGradients) -> None:
 
 
 def _underflow_title(
-    at1: float | None, atk: float | None, k: int, blind: bool, run_scale: tuple[float | None, int]
+    at1: float | None, atk: float | None, k: int, blind: bool, run_scale: tuple[str, float]
 ) -> str:
     """fp16_gradient_underflow's title where nothing was flushed: the shares at scale 1 and at 2^k; with
     ``blind`` (fp16 gradients held at scale 1), the share at scale 1 is of the other gradients, or not given.
-    A run that scaled its loss (``run_scale``: the share at its scale and that scale's log2, above 0) has its
+    A run that scaled its loss (``run_scale``: the share at its scale, in words, and that scale, not 1) has its
     own share in place of scale 1's, which the message gives as a what-if: '0.191% at scale 1' was read as
     what a GradScaler run at 2^16 lost, which was 0%."""
-    at_run, k_run = run_scale
-    if k_run != 0:
-        rec = "the recommended scale too" if k == k_run else f"{_pct(atk)} at {_pow2(k)}"
-        return f"fp16 gradient underflow: {_pct(at_run)} at the run's scale {_pow2(k_run)}, {rec}"
+    at_run, scale = run_scale
+    if scale != 1.0:
+        rec = "the recommended scale too" if 2.0**k == scale else f"{_pct(atk)} at {_pow2(k)}"
+        return f"fp16 gradient underflow: {at_run} at the run's scale {_loss_scale_said(scale)}, {rec}"
     if not blind:
         return f"fp16 gradient underflow: {_pct(at1)} at scale 1, {_pct(atk)} at {_pow2(k)}"
     if at1 is None:
