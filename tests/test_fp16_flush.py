@@ -627,3 +627,15 @@ def test_a_share_at_the_runs_scale_from_rows_at_other_scales_is_bounded() -> Non
     assert lo < hi and lo <= truth <= hi
     assert f"between {_pct(lo)} and {_pct(hi)} at the run's scale 9000 (2^{math.log2(9000.0):.2f})" in f.title
     assert "(bounded: the values of the rows held at scales a fraction of a binade away" in f.message
+
+
+def test_an_overflow_finding_pairs_each_step_with_its_scale() -> None:
+    """GradScaler(init_scale=1e12) under fp16 autocast overflows and halves its scale on each step: the finding
+    listed the steps in step order beside the scales in ascending order ('On 7 sampled step(s) (0, 3, 6, ...)
+    ... at 7 loss scales from 3.8147e+06 to 1e+12'), which read as step 0 at 3.8147e+06. Each step is paired with
+    its own scale now."""
+    run, _, scales = _scaler_run(1e12, autocast=True, steps=4)
+    f = run.recommend("t4").finding("fp16_gradient_overflow")
+    assert f is not None and f.numbers["steps"] == 4
+    assert "(0 at loss scale 1e+12, 1 at 5e+11, 2 at 2.5e+11, 3 at 1.25e+11)" in f.message
+    assert [f"{s:g}" for s in scales] == ["1e+12", "5e+11", "2.5e+11", "1.25e+11"]  # halved after each skip

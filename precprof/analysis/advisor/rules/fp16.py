@@ -1775,9 +1775,11 @@ def _rule_fp16_gradient_overflow(run: _Run, plan: _Plan, kept: KeptGradients) ->
             f"Gradients overflow fp16 at the scale in effect in {len(mods)} module(s)"
             if real
             else f"Gradients would overflow fp16 at this run's loss scale in {len(mods)} module(s)",
-            f"On {len(steps)} sampled step(s) ({_listed([str(s) for s in steps], 6)}), {n:,} gradient values in "
+            f"On {len(steps)} sampled step(s) ({_steps_at_scales(g, steps, scales)}), {n:,} gradient values in "
             f"{_listing(mods, run.cfg.max_listed_modules)} "
-            f"{'overflow' if real else 'would overflow'} fp16 at {_scales(scales)}; {what}",
+            f"{'overflow' if real else 'would overflow'} fp16 at "
+            + (_scales(scales) if len(scales) == 1 else "the loss scale in effect on each")
+            + f"; {what}",
             (
                 _too_large_remedy(run, _fitting_scale_log2(gmax, limit), plan.loss_scale_log2)
                 if too_large
@@ -1800,6 +1802,26 @@ def _rule_fp16_gradient_overflow(run: _Run, plan: _Plan, kept: KeptGradients) ->
             numbers={"values": n, "steps": len(steps), "max_scale": max(scales)},
         )
     )
+
+
+def _steps_at_scales(g: pd.DataFrame, steps: list[int], scales: list[float], limit: int = 6) -> str:
+    """The sampled ``steps`` of the gradient rows ``g``, each with its loss scale where they had more than one
+    (``scales``): "0 at loss scale 1e+12, 3 at 1.25e+11", at most ``limit`` of them, the last always (a backing-off
+    scaler's smallest). The steps listed beside the scales in ascending order read as step 0 at the smallest."""
+    if len(scales) <= 1:
+        return _listed([str(s) for s in steps], limit)
+    held = {
+        int(s): sorted({float(x) for x in v})
+        for s, v in pd.to_numeric(g[T.SCALE], errors="coerce")
+        .groupby(pd.to_numeric(g[T.STEP]))
+        .unique()
+        .items()
+    }
+    items = [f"{s} at " + " and ".join(f"{x:g}" for x in held.get(s, [])) for s in steps]
+    items[0] = items[0].replace(" at ", " at loss scale ", 1)
+    if len(items) <= limit:
+        return ", ".join(items)
+    return ", ".join(items[: limit - 1]) + f", {len(items) - limit} more and {items[-1]}"
 
 
 def _bound_from(run: _Run, plan: _Plan, steps: list[int]) -> str:
