@@ -10,6 +10,11 @@ replaces that summary last (``precprof.pipeline``). ``release()`` removes the lo
 it (a finished run leaves none); a claimer that locked the file just removed notices that it is no longer
 the one in the directory and locks the new one. ``live_writer(path)`` names the process writing a run.
 
+A claim of this process whose holder no longer writes it (``RunDir.writing``: a Profiler detached without saving,
+the cell that made it run again) is taken over by a claim with ``overwrite`` or ``resume`` (``_take_over``); its
+holder's claim ends there. Without either it is refused in one line saying so; a holder garbage-collected since
+released it (``capture.unsaved.hold``). A holder still writing (a Profiler attached) is always refused.
+
 ``claim(path, resume=True)`` accepts a directory that holds a run and continues it: a run that streamed
 (``precprof.parts``) keeps its stream, one that saved its tables has them adopted as the stream's first segment,
 and the Profiler then records into a new segment.
@@ -20,13 +25,14 @@ from __future__ import annotations
 import contextlib
 import datetime
 import errno
+import gc
 import os
 import re
 import shutil
 import sys
 import tempfile
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -231,12 +237,26 @@ def _check_target(p: Path, *, overwrite: bool, option: str, resume: bool) -> Pat
         raise RunDirError(f"{option} {p}: is a file, not a directory; choose another {option}")
     if p.is_dir():
         owner = live_writer(p)
+        if owner == os.getpid() and _stale(p) is not None:  # a holder of this process that no longer writes
+            if overwrite or resume:
+                owner = None  # ``claim`` takes it over
+            else:
+                gc.collect()  # one in a reference cycle, out of reach: collected, it lets go (``unsaved.hold``)
+                if _stale(p) is not None:
+                    raise _stale_refusal(p, option)
+                owner = live_writer(p)
         if owner is not None:  # first: replacing it would be refused too (it had said "add --overwrite")
             raise _busy(p, option, str(owner or "?"))
         if _holds_run(p) and not (overwrite or resume):
+            held = _describe_existing(p)
+            # (a Profiler's out: continued too, as a notebook cell run again after its first run stopped may mean)
+            go_on = (
+                " (resume=True to continue it)"
+                if option == "out" and "already holds a precprof run" in held
+                else ""
+            )
             raise RunDirError(
-                f"{option} {p}: {_describe_existing(p)}; choose another {option}, or {_replace_it(option)} to "
-                "replace it"
+                f"{option} {p}: {held}; choose another {option}, or {_replace_it(option)} to replace it{go_on}"
             )
         if not os.access(p, os.W_OK | os.X_OK):
             raise RunDirError(f"{option} {p}: the directory is not writable; choose another {option}")
@@ -265,6 +285,10 @@ def _try_creating_in(parent: Path, p: Path, option: str) -> None:
         os.rmdir(probe)
 
 
+def _always() -> bool:
+    return True
+
+
 @dataclass
 class RunDir:
     """A claimed run directory. ``release()`` (or leaving the ``with`` block) drops the lock."""
@@ -272,9 +296,16 @@ class RunDir:
     path: Path
     _fd: int | None = field(default=None, repr=False)
     created: bool = field(default=False, repr=False)  # the claim made the directory
+    # whether its holder still writes the run (a Profiler attached: ``capture.unsaved.hold``); a claim of this
+    # process whose holder does not is taken over by a claim with overwrite or resume (``_take_over``)
+    writing: Callable[[], bool] = field(default=_always, repr=False)
+    on_taken: Callable[[], None] | None = field(default=None, repr=False)  # told when it is taken over
+    taken_over: bool = field(default=False, repr=False)
 
     def release(self) -> None:
         if self._fd is not None:
+            if _held.get(_key(self.path)) is self:
+                del _held[_key(self.path)]
             with contextlib.suppress(OSError):
                 if _same_file(self._fd, self.path / LOCK_FILE):  # removed while held: no one else has it
                     (self.path / LOCK_FILE).unlink()
@@ -302,6 +333,48 @@ class RunDir:
 
     def __exit__(self, *exc: Any) -> None:
         self.release()
+
+
+# this process's claims, by the directory's real path (``_key``): the one a claim over a holder of this process
+# that no longer writes finds (``_stale``)
+_held: dict[str, RunDir] = {}
+
+
+def _key(path: Path) -> str:
+    return os.path.realpath(path)
+
+
+def _stale(path: Path) -> RunDir | None:
+    """This process's claim of ``path`` when its holder no longer writes it (``RunDir.writing``), else None."""
+    run = _held.get(_key(path))
+    if run is None or run._fd is None:
+        return None
+    try:
+        writing = run.writing()
+    except Exception:  # (a holder that cannot say: taken as writing, never stolen from)
+        writing = True
+    return None if writing else run
+
+
+def _take_over(run: RunDir) -> None:
+    """End ``run``, a claim of this process whose holder no longer writes it, for a claim with overwrite or
+    resume: its holder no longer owns the directory (a save of its own is refused: ``capture.unsaved``)."""
+    run.taken_over = True
+    run.release()
+    if run.on_taken is not None:
+        with contextlib.suppress(Exception):  # (its stream's writer process given back)
+            run.on_taken()
+
+
+def _stale_refusal(path: Path, option: str) -> RunDirError:
+    """The refusal of ``path``, held by a claim of this process whose holder no longer writes it, without
+    overwrite or resume: what each does, and the holder's own save."""
+    resume = ", resume=True to continue it" if option == "out" else ""
+    return RunDirError(
+        f"{option} {path}: a Profiler of this process that is no longer attached (a cell run again, a loop that "
+        f"stopped) holds this run directory's run, not saved; {_replace_it(option)} to replace that run{resume}, "
+        f"or choose another {option} (that Profiler's save(), if you still have it, saves the run first)"
+    )
 
 
 def _same_file(fd: int, path: Path) -> bool:
@@ -347,16 +420,15 @@ def _lock(path: Path, option: str) -> int:
 
 def _busy(path: Path, option: str, owner: str) -> RunDirError:
     """The refusal of a run directory whose lock ``owner`` (a pid, "?" when the lock does not say) holds."""
-    if owner == str(os.getpid()):  # a Profiler of this process claimed it, not saved since it detached
-        # (a save while attached is a snapshot: the directory stays the Profiler's. Saved once detached, it holds
-        # a complete run, which another Profiler replaces or continues only when told to: "save it first" alone
-        # led to a second refusal, then a third)
+    if owner == str(os.getpid()):  # a Profiler of this process attached to it (``_stale``: one that is not)
+        # (a save while attached is a snapshot: the directory stays the Profiler's. Once detached, saved or not,
+        # another claim replaces or continues its run when told to: "save it first" alone led to a second
+        # refusal, then a third; and "prof.detach()" named the Profiler just refused, where the cell bound it)
         resume = " (resume=True to continue it)" if option == "out" else ""
-        then = f"{_replace_it(option)} to replace its run{resume}"
         return RunDirError(
-            f"{option} {path}: a Profiler in this process is still writing this run directory, until it is "
-            f"detached and saved (prof.detach(), then prof.save() or prof.report()); choose another {option}, "
-            f"or after that {then}"
+            f"{option} {path}: a Profiler in this process is still writing this run directory (it is attached); "
+            f"choose another {option}, or call that Profiler's detach() first, then {_replace_it(option)} to "
+            f"replace its run{resume}"
         )
     return RunDirError(
         f"{option} {path}: another precprof process (pid {owner}) is writing this run directory; "
@@ -469,8 +541,12 @@ def claim(
         p.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise RunDirError(f"{option} {p}: cannot create it ({e.strerror}); choose another {option}") from None
+    idle = _stale(p)
+    if idle is not None and (overwrite or resume):  # (``check_target`` refused it without either)
+        _take_over(idle)
     fd = _lock(p, option)
     run = RunDir(p, fd, created)
+    _held[_key(p)] = run
     try:
         for stale in p.iterdir():
             if _atomic.is_tmp(stale):

@@ -273,7 +273,7 @@ def test_one_writer_per_directory(tmp_path: Path) -> None:
         # this process holds it: "another precprof process (pid <its own>)" sent users looking for one
         with pytest.raises(rundir.RunDirError, match=r"a Profiler in this process is still writing") as e:
             rundir.claim(out, overwrite=True)
-        assert "another precprof" not in str(e.value) and "prof.save() or prof.report()" in str(e.value)
+        assert "another precprof" not in str(e.value) and "that Profiler's detach() first" in str(e.value)
     finally:
         held.release()
     again = rundir.claim(out, overwrite=True)  # the lock went with the release
@@ -1533,17 +1533,17 @@ def test_tables_written_at_interpreter_exit_are_written(tmp_path: Path) -> None:
 
 def test_a_run_this_process_has_not_saved_is_named_as_ours_when_resumed(tmp_path: Path) -> None:
     """Detached, not saved, then resumed in the same process (a notebook's next cell): the refusal said
-    "another precprof process (pid <this one>) is writing this run directory"."""
+    "another precprof process (pid <this one>) is writing this run directory". Attached, it is this process's
+    Profiler writing it; detached, the resume continues its run."""
     import precprof
 
-    model = torch.nn.Linear(4, 4)
+    model, other = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
     first = precprof.Profiler(model, out=tmp_path / "run", sample_every=1).attach()
     model(torch.randn(2, 4)).sum().backward()
     first.step()
-    first.detach()
     with pytest.raises(UserError, match="a Profiler in this process is still writing this run directory"):
-        precprof.Profiler(model, out=tmp_path / "run", resume=True).attach()
-    first.save()  # saving gives the directory back
+        precprof.Profiler(other, out=tmp_path / "run", resume=True, first_step=1).attach()
+    first.detach()
     with precprof.Profiler(model, out=tmp_path / "run", resume=True, first_step=1) as again:
         model(torch.randn(2, 4)).sum().backward()
         again.step()

@@ -583,14 +583,16 @@ def test_a_run_directory_another_profiler_writes_is_refused_with_advice_that_wor
     model(torch.randn(2, 8)).sum().backward()
     first.step()
     advice = (
-        r"a Profiler in this process is still writing this run directory, until it is detached and saved "
-        r"\(prof\.detach\(\), then prof\.save\(\) or prof\.report\(\)\); choose another out, or after that "
-        r"pass overwrite=True to replace its run \(resume=True to continue it\)$"
+        r"a Profiler in this process is still writing this run directory \(it is attached\); choose another "
+        r"out, or call that Profiler's detach\(\) first, then pass overwrite=True to replace its run "
+        r"\(resume=True to continue it\)$"
     )
     with pytest.raises(RunDirError, match=advice):
         precprof.Profiler(second, out=out).attach()
     with pytest.raises(
-        RunDirError, match=r"choose another path, or after that pass overwrite=True to replace its run$"
+        RunDirError,
+        match=r"choose another path, or call that Profiler's detach\(\) first, then pass "
+        r"overwrite=True to replace its run$",
     ):
         precprof.Profiler(second).save(out)  # (save()'s words)
     first.save()  # attached: a snapshot, the directory is still its own

@@ -4,7 +4,9 @@ equals an uninterrupted one; the recording's host memory stays bounded."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import gc
 import html as html_text
 import json
 import math
@@ -633,6 +635,168 @@ def test_a_run_whose_with_block_raised_reads_as_stopped_while_its_process_holds_
     prof.save()  # as the note says: the steps recorded, saved as the run; the lock goes
     assert rundir.live_writer(out) is None and len(T.read_run(out).tables["steps"]) == 3
     assert not T.read_run(out).streamed
+
+
+def notebook_cell(
+    model: nn.Module, opt: torch.optim.Optimizer, out: Path, steps: range, raises: bool = False, **kw: Any
+) -> precprof.Profiler:
+    """A notebook's cell ``prof = Profiler(model, out=RUN); with prof: <train>``: its Profiler, which the
+    cell binds before its ``with`` (the one it raised in, or the one whose attach was refused)."""
+    prof = precprof.Profiler(model, opt, sample_every=1, out=out, memory=False, **kw)
+    cell = pytest.raises(KeyError) if raises else contextlib.nullcontext()
+    with cell, prof:
+        for step in steps:
+            train_step(model, opt, prof, step)
+        if raises:
+            raise KeyError("typo")
+    return prof
+
+
+def tiny_model() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    return model, torch.optim.SGD(model.parameters(), lr=0.05)
+
+
+def test_a_cell_that_raised_run_again_takes_its_run_over_with_overwrite(tmp_path: Path) -> None:
+    """A notebook cell ``prof = Profiler(model, out=RUN); with prof: ...`` that raised, fixed and run again, was
+    refused even with ``overwrite=True`` ("a Profiler in this process is still writing ... prof.detach(), then
+    prof.save()": ``prof`` was by then the refused one), until the kernel restarted: the first Profiler, detached
+    and unsaved, held the directory's lock. Run again without overwrite or resume it is refused in one line that
+    says both; with ``overwrite=True`` the new Profiler takes the directory over and its run is whole; the first
+    Profiler, still in reach, no longer owns it: its save and report are refused and write nothing."""
+    out = tmp_path / "run"
+    model, opt = tiny_model()
+    first = notebook_cell(model, opt, out, range(3), raises=True)
+    assert rundir.live_writer(out) == os.getpid()
+    with pytest.raises(rundir.RunDirError) as e:
+        notebook_cell(model, opt, out, range(4))  # the cell run again as it was
+    (line,) = str(e.value).splitlines()
+    assert line == (
+        f"out {out}: a Profiler of this process that is no longer attached (a cell run again, a loop that "
+        "stopped) holds this run directory's run, not saved; pass overwrite=True to replace that run, "
+        "resume=True to continue it, or choose another out (that Profiler's save(), if you still have it, "
+        "saves the run first)"
+    )
+    assert T.read_run(out).tables["steps"][T.STEP].tolist() == [0, 1, 2]  # nothing of the refused one
+    weights = [p.detach().clone() for p in model.parameters()]
+    second = notebook_cell(model, opt, out, range(4), overwrite=True)
+    with pytest.raises(rundir.RunDirError, match=r"was taken over by another Profiler"):
+        first.save()  # (its stream is the new run's now)
+    second.save()
+    run = T.read_run(out)
+    summary = T.read_summary(out)
+    assert summary[T.SUMMARY_STATUS] == T.STATUS_COMPLETE and not run.streamed
+    assert run.tables["steps"][T.STEP].tolist() == [0, 1, 2, 3] and run.restarts == []
+    assert sorted(set(run.tables["layers"][T.STEP])) == [0, 1, 2, 3]
+    assert rundir.live_writer(out) is None and not (out / rundir.LOCK_FILE).exists()
+    saved = {f.name: f.read_bytes() for f in out.iterdir() if f.is_file()}
+    for late in (first.save, first.report, first.attach):
+        with pytest.raises(rundir.RunDirError, match=r"^\S+ was taken over by another Profiler") as e:
+            late()
+        assert len(str(e.value).splitlines()) == 1
+    assert {f.name: f.read_bytes() for f in out.iterdir() if f.is_file()} == saved  # nothing written over
+    # the training the second Profiler watched is the one it would be without precprof
+    plain = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    with torch.no_grad():
+        for p, w in zip(plain.parameters(), weights, strict=True):
+            p.copy_(w)
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.05)
+    plain_opt.load_state_dict(opt.state_dict())
+    for step in range(4):
+        loss = plain(torch.randn(4, 8, generator=torch.Generator().manual_seed(step))).square().mean()
+        loss.backward()
+        plain_opt.step()
+        plain_opt.zero_grad()
+    for a, b in zip(plain.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_cell_that_raised_run_again_with_resume_continues_its_run(tmp_path: Path) -> None:
+    """The same cell run again with ``resume=True`` continues the run the first Profiler left unsaved, which
+    then holds the steps of both; without the flags, the first Profiler's own save (the refusal's last word)
+    saves its run, and the cell run again is then refused as any run there is, ``overwrite=True`` replacing it."""
+    out, other = tmp_path / "run", tmp_path / "other"
+    model, opt = tiny_model()
+    stopped = notebook_cell(model, opt, out, range(3), raises=True)  # (still in reach: not collected)
+    resumed = notebook_cell(model, opt, out, range(3, 5), resume=True, first_step=3)
+    with pytest.raises(rundir.RunDirError, match="was taken over"):
+        stopped.save()
+    resumed.save()
+    run = T.read_run(out)
+    assert T.read_summary(out)[T.SUMMARY_STATUS] == T.STATUS_COMPLETE
+    assert run.tables["steps"][T.STEP].tolist() == [0, 1, 2, 3, 4] and run.restarts == [3]
+    assert rundir.live_writer(out) is None
+    first = notebook_cell(model, opt, other, range(2), raises=True)
+    with pytest.raises(rundir.RunDirError, match=r"that Profiler's save\(\), if you still have it"):
+        notebook_cell(model, opt, other, range(2))
+    first.save()  # as the refusal says
+    assert T.read_run(other).tables["steps"][T.STEP].tolist() == [0, 1]
+    with pytest.raises(rundir.RunDirError, match=r"already holds a precprof run \(incomplete\)"):
+        notebook_cell(model, opt, other, range(2))
+    notebook_cell(model, opt, other, range(2), overwrite=True).save()
+    assert T.read_summary(other)[T.SUMMARY_STATUS] == T.STATUS_COMPLETE
+
+
+def test_a_profiler_collected_unsaved_lets_its_run_directory_go(tmp_path: Path) -> None:
+    """The first Profiler of a cell run again, garbage-collected (its name bound to the new one), kept the
+    directory's lock until the process ended (its descriptor was a bare int) and its summary said "running (pid
+    ...); if it still says this, the process ended before it could save". Collected, it lets the directory go,
+    and the summary says what became of the run: the exception that stopped it where one did, else that its
+    Profiler was collected unsaved; ``precprof report`` renders its steps."""
+    out, raised = tmp_path / "run", tmp_path / "raised"
+    model, opt = tiny_model()
+    prof = notebook_cell(model, opt, out, range(3))  # ended, never saved
+    other = notebook_cell(model, opt, raised, range(2), raises=True)
+    started = str(T.read_summary(out)[T.SUMMARY_INCOMPLETE_REASON])
+    assert started.startswith(f"running (pid {os.getpid()}, started ")
+    del prof, other
+    gc.collect()
+    assert rundir.live_writer(out) is None and rundir.live_writer(raised) is None
+    who = started[len("running ") : started.index(")") + 1]
+    assert T.read_summary(out)[T.SUMMARY_INCOMPLETE_REASON] == unsaved.COLLECTED.format(who=who, run=out)
+    assert str(T.read_summary(raised)[T.SUMMARY_INCOMPLETE_REASON]).startswith(
+        "KeyError: 'typo'; raised after step 1"
+    )
+    assert T.read_run(out).tables["steps"][T.STEP].tolist() == [0, 1, 2]
+    html = pipeline.rerender(out).read_text()
+    assert "garbage-collected" in html and "killed" not in html.split('id="incomplete"', 1)[1][:2000]
+    with pytest.raises(rundir.RunDirError) as e:
+        notebook_cell(model, opt, out, range(3))
+    assert str(e.value) == (
+        f"out {out}: {out} already holds a precprof run (incomplete); choose another out, or pass overwrite=True "
+        "to replace it (resume=True to continue it)"
+    )
+    notebook_cell(model, opt, raised, range(2, 4), resume=True, first_step=2).save()
+    assert T.read_run(raised).tables["steps"][T.STEP].tolist() == [0, 1, 2, 3]
+    notebook_cell(model, opt, out, range(3), overwrite=True).save()
+    assert T.read_summary(out)[T.SUMMARY_STATUS] == T.STATUS_COMPLETE
+
+
+def test_a_profiler_still_attached_keeps_its_run_directory(tmp_path: Path) -> None:
+    """A Profiler attached in this process writes its run: another Profiler given its ``out`` is refused with
+    ``overwrite=True`` or ``resume=True`` too (no stealing a live run), and the refusal's fix works as it says:
+    that Profiler's detach(), then overwrite=True."""
+    out = tmp_path / "run"
+    model, opt = tiny_model()
+    other, other_opt = tiny_model()
+    live = precprof.Profiler(model, opt, sample_every=1, out=out, memory=False).attach()
+    train_step(model, opt, live, 0)
+    for flags in ({}, {"overwrite": True}, {"resume": True, "first_step": 1}):
+        with pytest.raises(rundir.RunDirError) as e:
+            notebook_cell(other, other_opt, out, range(1, 2), **flags)
+        assert str(e.value) == (
+            f"out {out}: a Profiler in this process is still writing this run directory (it is attached); "
+            "choose another out, or call that Profiler's detach() first, then pass overwrite=True to replace "
+            "its run (resume=True to continue it)"
+        )
+    train_step(model, opt, live, 1)  # it goes on, its run whole
+    assert live.attached and rundir.live_writer(out) == os.getpid()
+    live.detach()
+    notebook_cell(other, other_opt, out, range(2), overwrite=True).save()
+    assert T.read_run(out).tables["steps"][T.STEP].tolist() == [0, 1]
+    with pytest.raises(rundir.RunDirError, match="was taken over"):
+        live.save()
 
 
 def test_a_report_while_attached_is_a_snapshot_and_the_run_streams_on(tmp_path: Path) -> None:
@@ -1739,7 +1903,6 @@ def test_steps_a_killed_job_never_flushed_are_named_and_the_curve_breaks_there(t
     out = tmp_path / "run"
     killed = tiny_run(out, 5, sample_every=2)  # steps 0-4 streamed, never saved: as a killed job leaves them
     killed._owned_run.release()
-    torch.manual_seed(1)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     with precprof.Profiler(model, opt, sample_every=2, out=out, resume=True, first_step=8) as prof:
@@ -1781,7 +1944,6 @@ def test_a_resumed_run_goes_on_thinning_from_its_earlier_attempts(
     earlier = killed.tables()["steps"]
     budgeted = earlier[(earlier[T.STEP] < 6) & (earlier[T.SAMPLE_REASON] == S.REASON_BUDGET)][T.STEP].tolist()
     assert budgeted == [2, 3, 4]  # (5 too close to 4 once the 3 dense ones were taken: at least 2 apart)
-    torch.manual_seed(1)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     with precprof.Profiler(model, opt, out=out, resume=True, first_step=6) as prof:
@@ -1845,7 +2007,6 @@ def test_a_resumed_runs_sampling_row_says_it_is_the_last_attempts(tmp_path: Path
     out = tmp_path / "run"
     killed = tiny_run(out, 5, sample_every=every)  # (None: the default budget)
     killed._owned_run.release()
-    torch.manual_seed(1)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     with precprof.Profiler(model, opt, sample_every=every, out=out, resume=True, first_step=3) as prof:

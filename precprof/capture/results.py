@@ -17,7 +17,7 @@ from precprof import stats as st
 from precprof import tables as T
 from precprof._run_finisher import machine_describer, run_finisher, run_renderer
 from precprof._version import __version__
-from precprof.capture import arguments, resumed
+from precprof.capture import arguments, resumed, unsaved
 from precprof.capture.block_budget import BlockDeal
 from precprof.capture.collect import Collector
 from precprof.capture.model_facts import (
@@ -133,6 +133,7 @@ class ProfilerResults:
         if self._out is None:
             return
         if self._recorded.sink is not None:  # re-attached: the same segment goes on, parts numbered on
+            unsaved.refuse_taken(self)  # (unless another Profiler took the run over)
             self._recorded.sink.reopen()
             return
         if not self.is_writer:
@@ -164,6 +165,7 @@ class ProfilerResults:
             run = self._owned_run = rundir.claim(
                 self._out, overwrite=self._overwrite, resume=self._resume, summary=first, option="out"
             )
+            unsaved.hold(self, run)  # detached, its run can be taken over; collected, it lets go
         if self._resume and self._first_step == 0:
             rundir.warn_replaced(run.path)
         segment = parts.new_segment(run.path, self._first_step)
@@ -485,6 +487,7 @@ class ProfilerResults:
         run_dir = rundir.check_name(run_dir, "path")  # (an empty one was the working directory)
         if not self.is_writer:
             return run_dir
+        unsaved.refuse_taken(self)  # its run taken over by another Profiler: its stream is that one's
         sink = self._recorded.sink
         if self._attached and sink is not None and run_dir.resolve() == Path(sink.run_dir).resolve():
             return self._snapshot(run_dir, summary, status, reason, render, report_path)

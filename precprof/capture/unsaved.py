@@ -15,6 +15,12 @@ one line (``cause``), the last step ``prof.step()`` ended, and that the steps re
 
 Only a summary that still says "running" in this process is replaced: a save's, another process's and a kill's are
 left as they are. A Profiler attached again (the next cell of a notebook) says "running" again (``watch``).
+
+A Profiler that holds its run unsaved when it is garbage-collected (the cell that made it run again, its name bound
+to the new one) releases the run directory then (``hold``): kept, its lock had refused the new Profiler until the
+kernel restarted. Its summary, if it still says "running", says that (``COLLECTED``). Detached and alive, it lets
+a Profiler given ``overwrite=True`` or ``resume=True`` take its run over (``rundir``), and no longer owns it then: a
+save or an attach of its own is refused (``refuse_taken``): its steps are the new run's, or were replaced.
 """
 
 from __future__ import annotations
@@ -39,6 +45,12 @@ _watched: weakref.WeakSet[Any] = weakref.WeakSet()  # Profilers holding a run th
 # run directory -> (the "running" text replaced, the cause written)
 _replaced: dict[Path, tuple[str, str]] = {}
 _at_exit_registered = False
+# the cause a run gets whose Profiler was garbage-collected unsaved (``_collected``)
+COLLECTED = (
+    "not saved: its Profiler {who} was garbage-collected before prof.save() or prof.report() (a notebook cell run "
+    "again, say: its name bound to a new Profiler), which released the run directory; the steps it wrote to its stream "
+    "are kept, and `precprof report {run}` renders them"
+)
 
 
 def cause(exc: BaseException) -> str:
@@ -97,7 +109,7 @@ def say(prof: Any, exc: BaseException, at_exit: bool = False) -> None:
     """Write why ``prof``'s run stopped (``exc``) into its summary.json, where it still says "running" (a run
     it claimed, ``out``, that it never saved); nothing for another run."""
     run = getattr(prof, "_owned_run", None)
-    if run is None or not prof.is_writer:
+    if run is None or run.taken_over or not prof.is_writer:
         return
     try:
         running = _running_text(T.read_summary(run.path))
@@ -154,3 +166,44 @@ def _at_exit() -> None:
     for prof in list(_watched):
         with contextlib.suppress(Exception):  # an exit handler that raises prints a second traceback
             say(prof, exc, at_exit=True)
+
+
+def hold(prof: Any, run: rundir.RunDir) -> None:
+    """``prof`` claimed ``run`` (``out``): it writes it while attached (``RunDir.writing``: detached, another
+    Profiler's overwrite or resume takes it over, and its stream's writer process goes back), and its collection
+    releases it (``_collected``; not at the interpreter's exit, which releases every lock)."""
+    ref = weakref.ref(prof)
+    run.writing = lambda: (p := ref()) is not None and bool(p.attached)
+    run.on_taken = lambda: _let_go(ref())
+    weakref.finalize(prof, _collected, run).atexit = False
+
+
+def _let_go(prof: Any) -> None:
+    sink = getattr(getattr(prof, "_recorded", None), "sink", None)
+    if sink is not None:
+        sink.end()
+
+
+def _collected(run: rundir.RunDir) -> None:
+    """``run``'s Profiler was garbage-collected: its summary says so where it still says "running" (``COLLECTED``),
+    and the directory is released. Nothing for a run saved or taken over since (released already)."""
+    if run._fd is None:
+        return
+    with contextlib.suppress(Exception):  # (a finalizer that raises prints a traceback at a random moment)
+        running = _running_text(T.read_summary(run.path))
+        if running is not None:
+            who = running[len("running ") : running.index(")") + 1]
+            _rewrite(run.path, running, COLLECTED.format(who=who, run=rundir.shown(run.path)))
+    _replaced.pop(run.path, None)
+    run.release()
+
+
+def refuse_taken(prof: Any) -> None:
+    """Refuse, in one line, a save or an attach of ``prof`` once another Profiler took its run over (``hold``)."""
+    run = getattr(prof, "_owned_run", None)
+    if run is not None and run.taken_over:
+        raise rundir.RunDirError(
+            f"{rundir.shown(run.path)} was taken over by another Profiler (overwrite=True replaced this Profiler's "
+            "run, resume=True continues it): this Profiler no longer owns it, and what it recorded there is the "
+            "new run's or gone; nothing of it is left to save, report or attach again"
+        )
