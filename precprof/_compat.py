@@ -895,6 +895,24 @@ def reentrant_first_pass() -> bool:
     return False
 
 
+def reentrant_segment() -> Any:
+    """The autograd context of the innermost reentrant activation checkpoint (``checkpoint(use_reentrant=True)``)
+    whose first forward (without grad) is running now and which the backward pass will run again with grad (its
+    node has next functions, as in ``reentrant_first_pass``): one object per checkpointed call, naming the
+    segment. None outside one, and where this torch does not say (its ``CheckpointFunction.forward`` is not a
+    frame up the stack)."""
+    frame: Any = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is _REENTRANT_FORWARD:
+            ctx = frame.f_locals.get("ctx")
+            try:
+                return ctx if ctx is not None and ctx.next_functions else None
+            except (AttributeError, RuntimeError):
+                return None
+        frame = frame.f_back
+    return None
+
+
 _MODULE_CALL = getattr(torch.nn.Module._call_impl, "__code__", None)
 
 

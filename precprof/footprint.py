@@ -18,14 +18,17 @@ The estimate adds what training holds at its peak, all in bytes:
   model's shape would only know the built-in ones;
 - the model's outputs (the logits), measured in the same passes: the loop holds them until backward ends, and
   autograd does not save them (cross-entropy saves its log-probabilities);
-- under activation checkpointing (non-reentrant: torch's default, Hugging Face's gradient checkpointing), the
-  largest checkpointed segment's activations (``recomputed``): the forward keeps only a segment's inputs, and
-  the backward pass runs the segment again, whose saved activations live while its backward runs. Measured in
-  the same passes: inside a segment's first forward each module's saved tensors are counted by hooks of ours
-  (which keep them, as a forward without checkpointing would, until the pass's graph is dropped). A gpt-style
-  model with checkpointed blocks at batch 16 x 64 peaked 13-17% above an estimate that left them out. A
-  reentrant checkpoint's first forward runs without grad and saves nothing to count: its recomputation is left
-  out (the line says nothing of it);
+- under activation checkpointing, the largest checkpointed segment's activations (``recomputed``): the forward
+  keeps only a segment's inputs, and the backward pass runs the segment again, whose saved activations live
+  while its backward runs. Measured in the same passes: inside a segment's first forward each module's saved
+  tensors are counted by hooks of ours (which keep them, as a forward without checkpointing would, until the
+  pass's graph is dropped). A gpt-style model with checkpointed blocks at batch 16 x 64 peaked 13-17% above an
+  estimate that left them out. Non-reentrant checkpoints (torch's default, Hugging Face's gradient
+  checkpointing) save through those hooks; a reentrant one's first forward runs without grad and saves nothing,
+  so in the measuring pass its segment's modules run with grad, as the backward pass runs them again, and what
+  they save is counted (four checkpointed MLP blocks at batch 64 x 128 peaked 50% above the estimate that left
+  it out). Operations of a segment's function outside any module are not counted; a segment that cannot run
+  with grad there (an in-place change of a leaf that requires grad) is left out;
 - the backward pass's temporaries: the larger of a quarter of the saved activations
   (``BACKWARD_TEMPORARIES``: gradients of activations in flight) and what the backward allocates at its start,
   the gradients of the loss's fp32 log-probabilities and of the logits together: two fp32 tensors of the
@@ -317,7 +320,31 @@ def pass_bytes(
     ``forward_loss()`` runs (each storage once, the model's parameters excluded, and those ``leave_out``
     picks) and the model's outputs that require grad. The graph is dropped afterwards; nothing is trained. The
     random state is forked and the module buffers (BatchNorm's running statistics) restored: training is
-    unchanged."""
+    unchanged.
+
+    A reentrant checkpoint's segment runs here with grad, as the backward pass runs it again, so that what it
+    saves is counted (``recomputed``); a segment that cannot run with grad inside the checkpoint's first
+    forward (an in-place change of a leaf that requires grad) makes the pass run again without that, its
+    recomputation left out as before."""
+    entered = [False]
+    try:
+        return _pass_bytes(model, forward_loss, leave_out, entered, reentrant=True)
+    except Exception as e:
+        if not entered[0] or _is_out_of_memory(e):
+            raise
+    return _pass_bytes(model, forward_loss, leave_out, entered, reentrant=False)
+
+
+def _pass_bytes(
+    model: nn.Module,
+    forward_loss: Callable[[], torch.Tensor],
+    leave_out: Callable[[torch.Tensor], bool] | None,
+    entered: list[bool],
+    *,
+    reentrant: bool,
+) -> PassBytes:
+    """``pass_bytes``; ``reentrant``: run reentrant checkpoints' segments with grad and count them (``entered``
+    is set when one was)."""
     params = {_storage_key(p.untyped_storage()) for p in model.parameters()}
     seen: set[int] = set()
     outputs: dict[int, tuple[int, int]] = {}  # storage -> (bytes, elements) of the model's outputs
@@ -348,16 +375,28 @@ def pass_bytes(
         if sizes:
             last[0] = max(sizes)
 
-    # checkpointed segments (non-reentrant): the pack hook naming each -> what its modules save, each storage once
+    # checkpointed segments: the checkpoint's pack hook (non-reentrant) or autograd context (reentrant) naming
+    # each -> what its modules save, each storage once
     segments: dict[int, tuple[Any, dict[int, int]]] = {}
-    pushed: list[Any] = []  # per module call: our hooks pushed inside a segment, or None
+    pushed: list[Any] = []  # per module call: our contexts pushed inside a segment, innermost last, or None
+    # a reentrant segment's saved tensors, kept while it runs: its modules' graphs are dropped as the checkpoint
+    # returns (or between two modules of its function), and a storage made later must not take a counted one's key
+    kept: list[Any] = [None, []]  # (the segment, its tensors)
 
     def enter(module: nn.Module, args: Any) -> None:
-        segment = _compat.checkpoint_segment()
+        segment, grad = _compat.checkpoint_segment(), None
+        if segment is None and reentrant and not torch.is_grad_enabled():
+            # a reentrant checkpoint's first forward, without grad: the backward pass runs it again with grad
+            segment = _compat.reentrant_segment()
+            grad = torch.enable_grad() if segment is not None else None
         if segment is None:
             pushed.append(None)
             return
         counted = segments.setdefault(id(segment), (segment, {}))[1]
+        if grad is not None:
+            entered[0] = True
+            if kept[0] is not segment:
+                kept[:] = [segment, []]
 
         def pack_segment(t: torch.Tensor) -> torch.Tensor:
             with contextlib.suppress(RuntimeError):
@@ -365,16 +404,23 @@ def pass_bytes(
                 key = _storage_key(st)
                 if key not in params and not (leave_out is not None and leave_out(t)):
                     counted[key] = st.nbytes()
+                    if grad is not None:
+                        kept[1].append(t)
             return t
 
-        ctx = torch.autograd.graph.saved_tensors_hooks(pack_segment, lambda t: t)
-        ctx.__enter__()
-        pushed.append(ctx)
+        contexts = [
+            c
+            for c in (grad, torch.autograd.graph.saved_tensors_hooks(pack_segment, lambda t: t))
+            if c is not None
+        ]
+        for c in contexts:
+            c.__enter__()
+        pushed.append(contexts)
 
     def leave(module: nn.Module, args: Any, out: Any) -> None:
-        ctx = pushed.pop() if pushed else None
-        if ctx is not None:
-            ctx.__exit__(None, None, None)
+        contexts = pushed.pop() if pushed else None
+        for c in reversed(contexts or []):
+            c.__exit__(None, None, None)
 
     handles = [model.register_forward_hook(keep_outputs)]
     handles += [m.register_forward_hook(keep_last) for m in model.modules() if m is not model]
@@ -389,9 +435,9 @@ def pass_bytes(
         for handle in handles:
             handle.remove()
         while pushed:  # (a forward that raised past a module's hooks)
-            ctx = pushed.pop()
-            if ctx is not None:
-                ctx.__exit__(None, None, None)
+            for c in reversed(pushed.pop() or []):
+                c.__exit__(None, None, None)
+        kept.clear()
     recomputed = max((sum(counted.values()) for _, counted in segments.values()), default=0)
     segments.clear()
     held = sum(b for key, (b, _) in outputs.items() if key not in seen and key not in params)
@@ -659,7 +705,7 @@ def describe(fp: Footprint) -> dict[str, Any]:
     how = (
         "saved activations and the model's outputs measured at batch 1 and 2 (what each sample adds, and what "
         "is saved once per step) and scaled to the batch, plus the largest checkpointed segment's activations "
-        "(non-reentrant checkpoints: the backward pass remakes them), plus backward's temporaries: the larger of "
+        "(the backward pass remakes them), plus backward's temporaries: the larger of "
         f"{BACKWARD_TEMPORARIES:.0%} of the saved activations and the gradients of the outputs at its start"
         if fp.measured
         else "activations not measured"
