@@ -692,16 +692,22 @@ def _memory(
         order = S.forward_order(tables["layers"], T.shared_params(summary))
     measured = M.measured_memory(tables["memory"], order)
     records = M.memory_records(summary)
-    fig = plots.memory_figure(measured, records, S.trained_precision(summary))
     mem = summary.get(T.SUMMARY_MEMORY)
     mem = mem if isinstance(mem, Mapping) else {}
+    current = S.trained_precision(summary)
+    # each mode's allocator peak, projected from this run's (the verdict's figures): what a run at its limit asks
+    peaks = M.projected_peaks(measured, records, current, bool(mem.get("outputs_from_matmul")))
+    modes = peaks["modes"] if peaks else None
+    fig = plots.memory_figure(measured, records, current, modes)
     claim = mem.get("textbook_claim")
     return {
         "img": _img(fig, "Stacked bars of memory per component: this run as measured and projected per mode"),
         "measured": measured,
         "step_note": M.step_note(measured, _new_shapes(summary)),
         # the projection per mode; this run's measurement is the measured table's, said once
-        "projection": M.memory_table(records, "projected"),
+        "projection": M.memory_table(records, "projected", modes),
+        # what the projected peaks start from: "parts at the peak" or "parts held at the step's end"
+        "peak_basis": peaks["basis"] if peaks else "",
         "textbook": M.memory_table(records, "textbook"),
         # (parameters that train, all of them) where some are frozen: the textbook's gradients and states are of
         # those that train

@@ -43,12 +43,18 @@ def _unit(max_bytes: float) -> tuple[float, str]:
 
 
 def memory_figure(
-    measured: Mapping[str, Any], records: Sequence[Mapping[str, Any]], current_mode: str = ""
+    measured: Mapping[str, Any],
+    records: Sequence[Mapping[str, Any]],
+    current_mode: str = "",
+    peaks: Mapping[str, float] | None = None,
 ) -> Figure | None:
     """Horizontal stacked bars of bytes per component: this run as measured, what was allocated at its
     allocator's peak part by part (where the run has it: that bar ends at the tick), then the projection for
     every precision mode (this run's own first, so that measured vs projected shows the projection's error); the
-    allocator peak as a black tick on this run's bars. Textbook records are left to a table, assumed ones out.
+    allocator peak as a black tick on this run's bars. ``peaks`` (``projected_peaks``'s "modes"): each projected
+    bar's mode's allocator peak, a dotted tick on it and its number beside the parts' (the parts alone leave out
+    the temporaries and the model's outputs: an fp32 run's bars said bf16 saved nothing where its projected peak
+    was 10% lower). Textbook records are left to a table, assumed ones out.
 
     ``measured`` is ``summarize.measured_memory(memory_table)``; ``records`` are summary["memory"] records. The
     measured bar is ``measured``'s stack, the very rows the page's "Measured (this run)" table sums, so bar and
@@ -57,6 +63,7 @@ def memory_figure(
     Each bar's number is written as the page writes bytes (``filters.nbytes``).
     """
     bars: list[tuple[str, dict[str, float], float | None]] = []
+    projected_peak: dict[int, float] = {}  # bar -> its mode's projected allocator peak
     peak = (measured.get("peaks") or {}).get(T.ALLOCATOR_PEAK)
     order: list[tuple[str, str]] = []
     stacks: dict[tuple[str, str], dict[str, float]] = {}
@@ -87,6 +94,8 @@ def memory_figure(
     order.sort(key=lambda k: (modes.index(k[0]), src_rank.get(k[1], 3)))
     for mode, src in order:
         label = f"{mode} · this run, measured" if src == "measured" else f"{mode} · projected"
+        if src == "projected" and (peaks or {}).get(mode):
+            projected_peak[len(bars)] = float((peaks or {})[mode])
         bars.append((label, stacks[(mode, src)], peak if src == "measured" else None))
     if not bars:
         return None
@@ -99,10 +108,12 @@ def memory_figure(
     extra = iter(_OTHER_COLORS * 4)
     for c in comp_names:
         colors[c] = COMPONENT_COLORS.get(c) or next(extra)
-    biggest = max(max(sum(st.values()), pk or 0) for _, st, pk in bars)
+    biggest = max(
+        max(sum(st.values()), pk or 0, projected_peak.get(i, 0)) for i, (_, st, pk) in enumerate(bars)
+    )
     div, unit = _unit(biggest)
     # drawn for the page's narrowest width: bar names on the left, the legend under the bars
-    legend_rows = math.ceil((len(comp_names) + 1) / 3)
+    legend_rows = math.ceil((len(comp_names) + 1 + bool(projected_peak)) / 3)
     height = 0.34 * len(bars) + 0.9 + 0.2 * legend_rows
     fig = Figure(figsize=(FIG_WIDTH_IN, height))
     ax = fig.subplots()
@@ -116,14 +127,20 @@ def memory_figure(
             if v > 0:
                 ax.barh(i, v, left=left, color=colors[c], height=0.66, edgecolor="white", lw=0.5)
                 left += v
-        ax.text(left, i, " " + filters.nbytes(sum(st.values())), va="center", fontsize=8)
+        text = filters.nbytes(sum(st.values()))
+        ppk = projected_peak.get(i)
+        if ppk:
+            text = f"parts {text} · peak {filters.nbytes(ppk)}"
+            ax.plot([ppk / div, ppk / div], [i - 0.4, i + 0.4], color="black", lw=2.2, ls=":")
+            left = max(left, ppk / div)
+        ax.text(left, i, " " + text, va="center", fontsize=8)
         if pk:
             ax.plot([pk / div, pk / div], [i - 0.4, i + 0.4], color="black", lw=2.2)
     ax.set_yticks(range(len(bars)))
     ax.set_yticklabels([b[0] for b in bars], fontsize=8)
     ax.tick_params(axis="x", labelsize=8)
     ax.set_ylim(len(bars) - 0.5, -0.5)
-    ax.set_xlim(0, biggest / div * 1.22)
+    ax.set_xlim(0, biggest / div * (1.6 if projected_peak else 1.22))  # room for the numbers beside the bars
     ax.set_xlabel(f"memory ({unit})", fontsize=8.5)
     ax.grid(True, axis="x", alpha=0.3)
     names = {T.PROFILER_BUFFERS: "profiler buffers (precprof's own)", T.OTHER_MEMORY: "other (not named)"}
@@ -135,6 +152,8 @@ def memory_figure(
     handles: list[Any] = [Patch(color=colors[c], label=legend(c)) for c in comp_names]
     if any(pk for _, _, pk in bars):
         handles.append(Line2D([], [], color="black", lw=2.2, label="allocator peak"))
+    if projected_peak:
+        handles.append(Line2D([], [], color="black", lw=2.2, ls=":", label="projected allocator peak"))
     fit_margins(fig)  # the bar names on the left, inside the figure
     # the legend under the axis label: room kept for it below the axes (fit_margins took the bottom margin in)
     bottom = (0.55 + 0.2 * legend_rows) / height
