@@ -81,9 +81,11 @@ def finish_run(
     facts: dict[str, Any] | None = None,
     render: bool = True,
     report_path: str | os.PathLike[str] | None = None,
+    live: str | None = None,
 ) -> dict[str, Any]:
     """Write the run directory in the order of the module docstring; returns the summary as written (or, when
-    none could be, as it would have been).
+    none could be, as it would have been). ``live``: the line of a snapshot of a run still recording
+    (``rundir.live_note``; ``Profiler.save`` while attached, without ``out``), for the page's banner.
 
     ``summary`` must already carry its status (``complete``: training ran to its end, which the summary's
     ``training_finished`` keeps whatever the saving does; ``incomplete``) and reason; its hardware block is
@@ -121,7 +123,7 @@ def finish_run(
         try:
             _signals.check()  # a Ctrl-C while the tables were written: stop now, as during the render
             report.parent.mkdir(parents=True, exist_ok=True)
-            _atomic.write_text(report, render_html(tables, full))
+            _atomic.write_text(report, render_html(tables, full, live=live))
             saving.saved.append(report.name)
         except KeyboardInterrupt as e:
             _signals.consume()

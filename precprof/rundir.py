@@ -494,13 +494,19 @@ def stopped_note(path: str | os.PathLike[str]) -> str | None:
 
 
 def live_note(
-    path: str | os.PathLike[str], last_step: int | None = None, recording: bool = False
+    path: str | os.PathLike[str], last_step: int | None = None, recording: bool = False, streamed: bool = True
 ) -> str | None:
     """One line when run directory ``path`` is still being written (``live_writer``), else None. ``recording``:
-    by the Profiler whose own report this is (``Profiler.report`` while attached), which the line speaks to.
-    A run held by a Profiler that stopped before saving it gets ``stopped_note``'s line."""
+    by the Profiler whose own report this is (``Profiler.report`` while attached), which the line speaks to;
+    ``streamed=False``: a Profiler without ``out``, whose snapshot in ``path`` is all of the run there until
+    it saves again. A run held by a Profiler that stopped before saving it gets ``stopped_note``'s line."""
     if recording:
         upto = f"as of step {last_step}" if last_step is not None else "before its first step"
+        if not streamed:
+            return (
+                f"{path} is still recording: this run is a snapshot {upto}, saved while the Profiler was attached; "
+                "its later steps are in memory only: save or report again after prof.detach() for the finished run"
+            )
         return (
             f"{path} is still recording: this report is a snapshot {upto}, and the Profiler goes on streaming "
             "into the run; call prof.report() again for more, and after prof.detach() for the finished run"

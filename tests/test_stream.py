@@ -855,6 +855,35 @@ def test_a_report_while_attached_is_a_snapshot_and_the_run_streams_on(tmp_path: 
     pd.testing.assert_frame_equal(looked["steps"][cols], plain["steps"][cols])
 
 
+def test_a_report_while_attached_without_out_says_it_is_a_snapshot(tmp_path: Path) -> None:
+    """``prof.report(DIR)`` while still attached, with no ``out`` to stream into, wrote the steps so far as a
+    finished run (t4): status "complete", ``training_finished`` true, and a page that never said the run was
+    still recording, where the same look with ``out=`` says so. It says what it is: incomplete, "still
+    recording", a snapshot as of its last step; the save after detach() is the finished run, there."""
+    out = tmp_path / "look"
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with precprof.Profiler(model, opt, sample_every=1, memory=False) as prof:
+        for step in range(5):
+            train_step(model, opt, prof, step)
+            if step == 2:
+                html = prof.report(out).read_text()
+                summary = T.read_summary(out)
+                assert summary[T.SUMMARY_STATUS] == T.STATUS_INCOMPLETE
+                assert summary[T.SUMMARY_TRAINING_FINISHED] is False
+                assert summary[T.SUMMARY_INCOMPLETE_REASON].startswith(
+                    f"{out} is still recording: this run is a snapshot as of step 2"
+                )
+                assert 'id="live"' in html and f"{out} is still recording" in html
+                assert 'id="incomplete"' not in html
+    assert prof.report(out) == out / T.REPORT_FILE  # detached: the finished run replaces the snapshot
+    summary = T.read_summary(out)
+    assert summary[T.SUMMARY_STATUS] == T.STATUS_COMPLETE and summary[T.SUMMARY_TRAINING_FINISHED] is True
+    assert T.read_tables(out)["steps"][T.STEP].tolist() == list(range(5))
+    assert "still recording" not in (out / T.REPORT_FILE).read_text()
+
+
 def test_a_report_rendered_while_the_run_ends_never_replaces_the_runs_own(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -477,7 +477,7 @@ class ProfilerResults:
         only the writer (rank 0) writes; other ranks return the path without touching it. ``run_dir`` defaults
         to ``out``; saving there turns its stream into the four tables and releases the directory's lock if this
         Profiler claimed it, once detached: while attached, a save there is a snapshot of the run so far, which
-        goes on streaming (``_snapshot``).
+        goes on streaming (``_snapshot``); elsewhere, an incomplete run saying it is still recording.
         """
         arguments.save_status(status, reason)
         if run_dir is None:
@@ -496,23 +496,32 @@ class ProfilerResults:
             raise RuntimeError("precprof.pipeline, which writes run directories, is not loaded")
         # refused in one line where another run is there: a killed run's stream may be its only record
         claimed = None if self._ours(run_dir) else rundir.claim(run_dir, overwrite=overwrite, option="path")
+        snapshot = self._attached  # a look at the run so far, kept in memory: training goes on
         try:  # mid-run, its time is not the step's (``not_training``)
             with self.not_training(), self._recorded.saving(run_dir):
                 full = self.run_summary(summary, status, reason)
+                tables, live = self.tables(), None
+                if snapshot:  # saying so, as ``_snapshot``'s page does: never "complete"
+                    last = int(ended.max()) if len(ended := tables["steps"][T.STEP].dropna()) else None
+                    live = rundir.live_note(run_dir, last, recording=True, streamed=False)
+                    full[T.SUMMARY_STATUS], full[T.SUMMARY_INCOMPLETE_REASON] = T.STATUS_INCOMPLETE, live
                 written = finisher(
                     run_dir,
-                    self.tables(),
+                    tables,
                     full,
                     facts=self.model_facts(),
                     render=render,
                     report_path=report_path,
+                    live=live,
                 )
+                del tables
         finally:
             if claimed is not None:
                 claimed.release()
                 self._saved_into |= {run_dir.resolve()}
         runfiles.release_memory()  # the tables are dropped: what the allocators kept of them goes back
-        self._saved = written[T.SUMMARY_STATUS], written[T.SUMMARY_INCOMPLETE_REASON]
+        if not snapshot:  # (the run's status is its end's, not a snapshot's)
+            self._saved = written[T.SUMMARY_STATUS], written[T.SUMMARY_INCOMPLETE_REASON]
         if sink is not None and not self._attached:  # the run is saved: it gives the writer process back
             sink.end()
         if self._owned_run is not None and not self._attached and run_dir == self._owned_run.path:
