@@ -190,6 +190,26 @@ def _scopes(events: list[ev.Event]) -> set[str]:
     return {e.tag.split("/")[2] for e in events if e.tag.split("/")[1] == "zeros"} - {ev.ALL_LAYERS}
 
 
+def test_the_live_dashboards_take_their_layer_selection(tmp_path: Path) -> None:
+    """The README's "watch a long run live" chose the per-layer tags with `layers="all"` or name patterns, which
+    the Profiler did not take (a TypeError, t4): only ``precprof export --layers`` chose them, after the run.
+    ``Profiler(..., tensorboard=DIR, dashboard_layers=...)`` chooses them live, as export does from the same
+    tables; a value it cannot take is refused in one line, with or without a dashboard."""
+    _train({"tensorboard": tmp_path / "two", "dashboard_layers": ["2"]})
+    _train({"tensorboard": tmp_path / "none", "dashboard_layers": "none"})
+    prof = _train({"tensorboard": tmp_path / "auto"})
+    tags = {name: set(_accumulator(tmp_path / name).Tags()["scalars"]) for name in ("two", "none", "auto")}
+    want = {e.tag for e in ev.table_events(prof.tables(), layers=["2"]) if e.tag.split("/")[1] == "zeros"}
+    assert {t for t in tags["two"] if t.split("/")[1] == "zeros"} == want
+    assert {t.split("/")[2] for t in want} == {"2", ev.ALL_LAYERS}
+    assert not any("/0/" in t or "/2/" in t for t in tags["none"]) and "precprof/loss" in tags["none"]
+    assert any("/0/" in t for t in tags["auto"])  # (3 layers: "auto" writes every one)
+    for kw in ({"tensorboard": tmp_path / "bad"}, {}):
+        with pytest.raises(UserError, match=r"^dashboard_layers='most': expected 'auto', 'all', 'none' or a"):
+            precprof.Profiler(nn.Linear(4, 2), dashboard_layers="most", **kw)
+    assert not (tmp_path / "bad").exists()
+
+
 def test_the_auto_layer_limit_counts_layers_as_the_report_does(
     run: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -96,6 +96,10 @@ class Profiler(PartsAssembly, ProfilerResults, OptimizerSwitch):
             each host copy, to watch a run live (tags: ``precprof.export.events``; needs ``tensorboard``).
         wandb: True to log the same to the current ``wandb.run``, or a wandb run object (needs ``wandb``).
             Only the writer process (rank 0) writes to either.
+        dashboard_layers: which layers get per-layer tags on those dashboards: ``"auto"`` (the default: every
+            layer for a model of up to 32 captured layers, none beyond), ``"all"``, ``"none"``, or a list of
+            qualified-name patterns (``fnmatch``, e.g. ``["transformer.h.0.*"]``); the aggregates over all
+            layers are written either way (``precprof.export.events``). What is captured is ``modules``'.
         block_formats: on sampled steps, also evaluate the block-scaled formats (MXFP8, MXFP6, MXFP4, NVFP4:
             ``precprof.block_formats``) on what a block-scaled GEMM would read (each linear layer's input,
             weight and output gradient; ``capture/hooks.py``), in both block orientations: the
@@ -160,6 +164,7 @@ class Profiler(PartsAssembly, ProfilerResults, OptimizerSwitch):
         loss_scale: float | None = None,
         tensorboard: Any = None,
         wandb: Any = None,
+        dashboard_layers: str | Sequence[str] = "auto",
         block_formats: bool | None = None,
         block_groups: int | None = None,
         block_budget: float = DEFAULT_SHARE,
@@ -230,7 +235,9 @@ class Profiler(PartsAssembly, ProfilerResults, OptimizerSwitch):
         self._reducer_spec = reducer
         self._reducer: Any = None
         # dashboards: checked here (a missing package is a UserError at once), written after each host copy
-        self._dashboards = LiveDashboards.create(tensorboard=tensorboard, wandb=wandb)
+        self._dashboards = LiveDashboards.create(
+            tensorboard=tensorboard, wandb=wandb, layers=dashboard_layers
+        )
 
         self._attached = False
         self._scaler_watch: ScalerWatch | None = None

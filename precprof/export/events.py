@@ -98,15 +98,16 @@ def tag(*parts: str) -> str:
     return "/".join([PREFIX, *(p if p else ROOT_LAYER for p in parts)])
 
 
-def check_layers(layers: Any) -> LayerSelection:
-    """``layers`` as given, or a one-line UserError naming the allowed values."""
+def check_layers(layers: Any, option: str = "layers") -> LayerSelection:
+    """``layers`` as given, or a one-line UserError naming the allowed values (``option``: the argument's
+    name as the caller gave it)."""
     if isinstance(layers, str):
         if layers in ("auto", "all", "none"):
             return layers
     elif isinstance(layers, (list, tuple)) and all(isinstance(p, str) for p in layers):
         return tuple(layers)
     raise UserError(
-        f"layers={layers!r}: expected 'auto', 'all', 'none' or a list of layer-name patterns "
+        f"{option}={layers!r}: expected 'auto', 'all', 'none' or a list of layer-name patterns "
         "(e.g. ['transformer.h.0.*'])"
     )
 

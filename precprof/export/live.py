@@ -16,7 +16,7 @@ import pandas as pd
 from precprof import tables as T
 from precprof._notice import notice
 from precprof.errors import UserError
-from precprof.export.events import EventStream, LayerSelection
+from precprof.export.events import EventStream, LayerSelection, check_layers
 from precprof.export.tensorboard import TensorBoardSink
 from precprof.export.wandb import WandbSink
 
@@ -33,11 +33,15 @@ class LiveDashboards:
         self.stream = EventStream(layers)
 
     @classmethod
-    def create(cls, tensorboard: Any = None, wandb: Any = None) -> LiveDashboards | None:
-        """The live writer, or None when neither dashboard is asked for. Checks the packages now (UserError)."""
+    def create(
+        cls, tensorboard: Any = None, wandb: Any = None, layers: Any = "auto"
+    ) -> LiveDashboards | None:
+        """The live writer, or None when neither dashboard is asked for. Checks the packages and ``layers``
+        (``Profiler(dashboard_layers=...)``: which layers get per-layer tags) now (UserError)."""
+        layers = check_layers(layers, "dashboard_layers")
         if tensorboard is None and (wandb is None or wandb is False):
             return None
-        return cls(tensorboard, wandb)
+        return cls(tensorboard, wandb, layers)
 
     def resumed(self, kept: pd.DataFrame, first_step: int) -> None:
         """A run resumed at ``first_step``, ``kept`` its steps rows before it: the running skipped count goes on
