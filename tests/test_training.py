@@ -9,6 +9,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -560,6 +561,31 @@ def test_config_validation() -> None:
     if not torch.cuda.is_available():
         with pytest.raises(UserError, match="no CUDA device"):
             train(TrainConfig(device="cuda", steps=1, progress=False))
+
+
+def test_trains_arguments_are_refused_before_the_run_directory_is_claimed(tmp_path: Path) -> None:
+    """``train(profiler_kwargs={"sample_evry": 1})`` raised once the run directory was claimed, leaving its
+    summary.json "running (pid ...)" and the corrected rerun into it refused; ``steps=2.5`` passed the checks and
+    failed in the loop (an incomplete run and a traceback); ``callbacks=[object()]`` recorded a whole incomplete
+    run (t4). Each is one line, and nothing is left; a value the Profiler refuses leaves nothing either."""
+    for kw, call, message in (
+        ({"steps": 2.5}, {}, "--steps must be an integer, got 2.5"),
+        ({"seq_len": "8"}, {}, "--seq-len must be an integer, got '8'"),
+        (
+            {},
+            {"profiler_kwargs": {"sample_evry": 1}},
+            "precprof.Profiler takes no 'sample_evry' (did you mean",
+        ),
+        ({}, {"profiler_kwargs": {"out": tmp_path}}, "the loop gives the Profiler its out itself"),
+        ({}, {"callbacks": [Callback(), object()]}, "callbacks[1] (object) has no on_start, after_backward"),
+        ({}, {"profiler_kwargs": {"sample_every": -1}}, "sample_every must be >= 0"),
+    ):
+        cfg = tiny(tmp_path, **{"steps": 2, **kw})
+        with pytest.raises((UserError, ValueError)) as e:
+            train(cfg, **call)
+        assert message in str(e.value) and len(str(e.value).splitlines()) == 1, e.value
+        assert not Path(cfg.out).exists(), kw  # type: ignore[arg-type]
+    TrainConfig(steps=np.int64(3), sample_every=None).validate()  # an integer, NumPy's too
 
 
 def test_defaults(tmp_path: Path) -> None:

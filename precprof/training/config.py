@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 import os
 import time
 from collections.abc import Mapping
@@ -38,6 +39,27 @@ SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 # GradScaler's settings of dynamic loss scaling: a run that scales no loss, or holds a static scale, uses none of
 # them (summary.json records them only where they were used)
 DYNAMIC_SCALER_OPTIONS: tuple[str, ...] = ("init_scale", "growth_factor", "backoff_factor", "growth_interval")
+
+
+# the options that count something: an integer (a Python int or a NumPy one), never a float or a string
+INTEGER_OPTIONS = (
+    "steps",
+    "batch_size",
+    "seq_len",
+    "growth_interval",
+    "seed",
+    "refresh_every",
+    "sample_every",
+)
+
+
+def _is_integer(value: Any) -> bool:
+    """Whether ``value`` is an integer (``operator.index`` takes it: int, a NumPy integer; not bool's words)."""
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return not isinstance(value, bool)
 
 
 def writes_run_dir() -> bool:
@@ -99,6 +121,10 @@ class TrainConfig:
         if self.optimizer not in {o.value for o in OptimizerName}:
             raise UserError(f"unknown optimizer {self.optimizer!r}; choose adamw or sgd")
         parse_loss_scale(self.loss_scale)
+        for name in INTEGER_OPTIONS:  # (steps=2.5 trained, then failed in the loop: range() takes no float)
+            value = getattr(self, name)
+            if not (value is None and name == "sample_every") and not _is_integer(value):
+                raise UserError(f"--{name.replace('_', '-')} must be an integer, got {value!r}")
         checks = [
             (self.steps >= 1, f"--steps must be at least 1, got {self.steps}"),
             (self.batch_size >= 1, f"--batch-size must be at least 1, got {self.batch_size}"),

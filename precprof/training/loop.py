@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
+import inspect
 import math
 import os
 import sys
@@ -306,6 +308,7 @@ def train(
     after the model's (default: its precision; ``precprof compare`` names each run as its directory, "fp16-none").
     """
     config.validate()
+    _check_arguments(profiler_kwargs, callbacks)
     user_out = config.out is not None  # else a default name, which moves on to a free one
     setup = _prepare(config, profiler_kwargs)
     claimed = _claim(setup, user_out)
@@ -314,6 +317,35 @@ def train(
     finally:
         if claimed is not None:
             claimed.release()
+
+
+# what the loop gives the Profiler itself: not in ``profiler_kwargs``
+_LOOP_GIVES = ("model", "optimizer", "scaler", "out")
+_HOOKS = ("on_start", "after_backward", "on_step_end", "on_end")
+
+
+def _check_arguments(profiler_kwargs: dict[str, Any] | None, callbacks: Sequence[Callback]) -> None:
+    """``train``'s own arguments, in one line before anything is built or claimed: a name the Profiler does not
+    take (a typo) or that the loop gives it, and a callback without ``Callback``'s hooks. Found once the run
+    directory was claimed, they left it reading "running (pid ...)", a run the corrected rerun was refused over
+    (t4)."""
+    taken = set(inspect.signature(Profiler).parameters) - set(_LOOP_GIVES)
+    for name in profiler_kwargs or {}:
+        if name in _LOOP_GIVES:
+            raise UserError(
+                f"profiler_kwargs={{{name!r}: ...}}: the loop gives the Profiler its {name} itself"
+            )
+        if name not in taken:
+            near = difflib.get_close_matches(str(name), sorted(taken), n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else f"; it takes {', '.join(sorted(taken))}"
+            raise UserError(f"profiler_kwargs={{{name!r}: ...}}: precprof.Profiler takes no {name!r}{hint}")
+    for i, cb in enumerate(callbacks):
+        missing = [h for h in _HOOKS if not callable(getattr(cb, h, None))]
+        if missing:
+            raise UserError(
+                f"callbacks[{i}] ({type(cb).__name__}) has no {', '.join(missing)}: subclass "
+                "precprof.training.Callback and override the hooks it needs"
+            )
 
 
 def _claim(setup: _Setup, user_out: bool) -> rundir.RunDir | None:
@@ -631,7 +663,12 @@ def _run(s: _Setup, callbacks: Sequence[Callback], claimed: rundir.RunDir | None
     config, model, optimizer, device, data = s.config, s.model, s.optimizer, s.device, s.data
     params = [p for group in optimizer.param_groups for p in group["params"]]
     out = claimed if claimed is not None else s.run_dir  # a rank that does not write keeps its steps only
-    prof = Profiler(s.inner, optimizer=optimizer, scaler=s.scaler, out=out, **s.prof_kwargs)
+    try:
+        prof = Profiler(s.inner, optimizer=optimizer, scaler=s.scaler, out=out, **s.prof_kwargs)
+    except BaseException:  # a value the Profiler refuses (profiler_kwargs): nothing was recorded in the claim
+        if claimed is not None:
+            claimed.abandon()
+        raise
     run = TrainRun(config, model, optimizer, s.scaler, prof, device, s.run_dir)
     # as in nanoGPT: a disabled GradScaler passes the loss through and calls optimizer.step() itself
     scaler = s.scaler if s.scaler is not None else torch.amp.GradScaler(device.type, enabled=False)
