@@ -606,7 +606,10 @@ def _read_stream(
 
 
 def read_tables(run_dir: str | Path) -> dict[str, pd.DataFrame]:
-    """The four tables of a run directory (``read_run``)."""
+    """The four tables of a run directory (``read_run``). FileNotFoundError, in ``not_a_run_dir``'s one line,
+    for a path that is no run directory (a mistyped one read as four empty tables), as ``recommend`` says it."""
+    if why := not_a_run_dir(run_dir):
+        raise FileNotFoundError(why)
     return read_run(run_dir).tables
 
 

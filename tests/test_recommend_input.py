@@ -25,6 +25,18 @@ def test_a_folder_of_no_run_is_refused_as_precprof_report_refuses_it(tmp_path: P
         precprof.recommend(tmp_path / "x.txt")
 
 
+def test_read_tables_refuses_what_recommend_refuses(tmp_path: Path) -> None:
+    """``precprof.tables.read_tables()`` of a mistyped path, a file, or a folder of no run returned four empty
+    tables (t4), where ``recommend()`` of the same says what is wrong: the same one line, as FileNotFoundError."""
+    (tmp_path / "x.txt").write_text("not a run")
+    for path in (tmp_path / "gone", tmp_path / "x.txt", tmp_path):
+        with pytest.raises(FileNotFoundError) as e:
+            T.read_tables(path)
+        assert str(e.value) == T.not_a_run_dir(path) != ""
+    T.write_summary(tmp_path / "run", {"status": "complete"})  # a run with no table yet: four empty ones
+    assert {k: len(v) for k, v in T.read_tables(tmp_path / "run").items()} == dict.fromkeys(T.TABLE_FILES, 0)
+
+
 def test_a_target_that_is_no_preset_name_or_hardwareinfo_is_refused() -> None:
     tables = {name: T.empty(name) for name in T.TABLES}
     assert isinstance(tables["layers"], pd.DataFrame)
