@@ -315,7 +315,7 @@ def test_a_profiler_left_attached_by_a_loop_that_raised_is_detached_when_the_cel
         _notebook_cell(model, opt, scaler, 1, kept, sample_every=1, memory_every=1)
     with pytest.warns(
         UserWarning,
-        match=r"attached to Sequential \(676 parameters, in its step 1\) was detached: it watches the",
+        match=r"attached to Sequential \(676 parameters, in its step 1\) was detached: another Profiler attached",
     ):
         prof = _notebook_cell(model, opt, scaler, None, kept, sample_every=1, memory_every=1)
     memory = prof.tables()["memory"]
@@ -330,6 +330,39 @@ def test_a_profiler_left_attached_by_a_loop_that_raised_is_detached_when_the_cel
     assert not stale.attached and stale.status[0] == T.STATUS_INCOMPLETE
     assert "detached when another Profiler attached" in str(stale.status[1])
     assert set(stale.tables()["layers"][T.STEP]) == {0, 1}  # nothing of the second run
+
+
+def test_two_profilers_nested_on_one_model_say_why_the_first_was_detached() -> None:
+    """`with p: with q:` on one model: entering q detaches p, whose warning blamed an early-stopped loop, and
+    p.step() inside `with p:` then said "not attached (use `with prof:`)" (t4). Both say that another Profiler
+    attached to the same model, one model taking one Profiler at a time; nothing is left on the model, and p
+    attached again steps as before."""
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    p = precprof.Profiler(model, opt, sample_every=1, memory=False)
+    q = precprof.Profiler(model, opt, sample_every=1, memory=False)
+    same = "another Profiler attached to the same model, and one model takes one Profiler at a time"
+    with (
+        pytest.raises(RuntimeError) as e,
+        p,
+        pytest.warns(UserWarning, match=rf"in its step 0\) was detached: {same}.* not nested"),
+        q,
+    ):
+        F.cross_entropy(model(torch.randn(8, 16)), torch.randint(0, 4, (8,))).backward()
+        opt.step()
+        q.step()
+        p.step()
+    assert str(e.value) == (
+        f"Profiler.step() called while the profiler is not attached: it was detached at its step 0: {same} "
+        "(each would record the other's hooks). Detach one before attaching the next (`with` blocks one after "
+        "the other, not nested; prof.detach() in a `finally:` where a loop may stop early)"
+    )
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    with p:  # attached again: its step is its own again
+        F.cross_entropy(model(torch.randn(8, 16)), torch.randint(0, 4, (8,))).backward()
+        opt.step()
+        p.step()
+    assert p.tables()["steps"][T.STEP].tolist() == [0]  # (detached in its step 0, before its model ran)
 
 
 def test_a_compiled_model_compiles_after_a_profiler_its_loop_left_in_a_sampled_step() -> None:

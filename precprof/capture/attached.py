@@ -48,19 +48,30 @@ _suspects: weakref.WeakKeyDictionary[Profiler, list[tuple[Profiler, int]]] = wea
 # the new Profiler's steps to wait: a loop that attached it inside another's step ends that step after the new
 # one's first step at the latest
 _WAIT_STEPS = 2
+# why each Profiler detached here was (its ``step()`` says it, not "use `with prof:`" inside `with prof:`)
+_detached_why: weakref.WeakKeyDictionary[Profiler, str] = weakref.WeakKeyDictionary()
+# a second Profiler on a model that has one: why the first is detached
+_SAME_MODEL = (
+    "another Profiler attached to the same model, and one model takes one Profiler at a time (each would record "
+    "the other's hooks)"
+)
 
 
 def claim(prof: Profiler) -> None:
     """Before ``prof`` attaches: detach each other attached Profiler that watches the same model, and say so; keep
     for ``settle`` those whose model ran in a sampled step no ``prof.step()`` has ended; warn of one that stepped
     and holds the compiler stance (see the module docstring)."""
+    _detached_why.pop(prof, None)
     for other in [p for p in list(_attached) if p is not prof and p.attached]:
         named = _named(other, other.current_step)
+        # not a stopped loop's sign: two Profilers on one model (`with p: with q:`), both live
         if _same_model(other, prof):
             _detach(
                 other,
                 named,
-                "it watches the same model, and two Profilers on one model would record each other's hooks",
+                _SAME_MODEL,
+                "Detach one before attaching the next (`with` blocks one after the other, not nested; "
+                "prof.detach() in a `finally:` where a loop may stop early)",
             )
         elif _stopped_in_step(other):
             _suspects.setdefault(prof, []).append((other, other.current_step))
@@ -94,13 +105,25 @@ def settle(prof: Profiler) -> None:
             _detach(other, named, why)
 
 
-def _detach(other: Profiler, named: str, why: str) -> None:
+def _detach(
+    other: Profiler,
+    named: str,
+    why: str,
+    fix: str = "Call prof.detach() when a loop stops early, or run it inside `with prof:`",
+) -> None:
     other.mark_incomplete(f"detached when another Profiler attached: {why}")
     other.detach()
-    notice(
-        f"precprof: {named} was detached: {why}. Call prof.detach() when a loop stops early, or run it inside "
-        "`with prof:`",
-    )
+    _detached_why[other] = f"it was detached at its step {other.current_step}: {why}. {fix}"
+    notice(f"precprof: {named} was detached: {why}. {fix}")
+
+
+def not_attached(prof: Profiler) -> str:
+    """The one line of ``prof.step()`` called while ``prof`` is not attached: why, where another Profiler's
+    attach detached it (inside its own `with prof:`, "use `with prof:`" sent the user in circles)."""
+    why = _detached_why.get(prof)
+    if why is not None:
+        return f"Profiler.step() called while the profiler is not attached: {why}"
+    return "Profiler.step() called while the profiler is not attached (use `with prof:`)"
 
 
 def _stance_matters(other: Profiler, prof: Profiler) -> bool:

@@ -449,7 +449,7 @@ class Profiler(PartsAssembly, ProfilerResults, OptimizerSwitch):
         (``precprof.clipwatch``). ``tokens``: tokens processed in the step (>= 0), for throughput. Anything else is a one-line error (``capture/arguments.py``).
         """
         if not self._attached:
-            raise RuntimeError("Profiler.step() called while the profiler is not attached (use `with prof:`)")
+            raise RuntimeError(attached.not_attached(self))
         arguments.step_values(loss, grad_norm, tokens)  # host checks of what is passed: no sync
         entered = time.perf_counter()  # this call's own time, on an unsampled step, is precprof's
         started = self._t_last  # this step's start (the previous step's end)
