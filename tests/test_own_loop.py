@@ -589,12 +589,15 @@ def test_a_run_directory_another_profiler_writes_is_refused_with_advice_that_wor
     )
     with pytest.raises(RunDirError, match=advice):
         precprof.Profiler(second, out=out).attach()
-    with pytest.raises(
-        RunDirError,
-        match=r"choose another path, or call that Profiler's detach\(\) first, then pass "
-        r"overwrite=True to replace its run$",
+    with (
+        precprof.Profiler(second) as other,  # (one never attached has nothing to save: refused before)
+        pytest.raises(
+            RunDirError,
+            match=r"choose another path, or call that Profiler's detach\(\) first, then pass "
+            r"overwrite=True to replace its run$",
+        ),
     ):
-        precprof.Profiler(second).save(out)  # (save()'s words)
+        other.save(out)  # (save()'s words)
     first.save()  # attached: a snapshot, the directory is still its own
     with pytest.raises(RunDirError, match=advice):
         precprof.Profiler(second, out=out).attach()

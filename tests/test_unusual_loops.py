@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -363,6 +364,23 @@ def test_two_profilers_nested_on_one_model_say_why_the_first_was_detached() -> N
         opt.step()
         p.step()
     assert p.tables()["steps"][T.STEP].tolist() == [0]  # (detached in its step 0, before its model ran)
+
+
+def test_a_profiler_never_attached_saves_nothing(tmp_path: Path) -> None:
+    """``report(DIR)`` of a Profiler never attached wrote a "complete" run of no step, whose page said to
+    re-render with --target for a recommendation (which cannot help) (t4): one line now, nothing written."""
+    model = _mlp()
+    never = precprof.Profiler(model, torch.optim.SGD(model.parameters(), lr=0.1), out=tmp_path / "out")
+    for write in (never.save, never.report):
+        with pytest.raises(RuntimeError) as e:
+            write(tmp_path / "never")
+        assert str(e.value) == (
+            "nothing recorded: this Profiler was never attached; attach it (`with prof:` or prof.attach()) and "
+            "call prof.step() after each optimizer step first"
+        )
+        with pytest.raises(RuntimeError, match=r"^nothing recorded: this Profiler was never attached"):
+            write()  # its out=
+    assert not (tmp_path / "never").exists() and not (tmp_path / "out").exists()
 
 
 def test_a_compiled_model_compiles_after_a_profiler_its_loop_left_in_a_sampled_step() -> None:

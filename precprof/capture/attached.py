@@ -50,6 +50,11 @@ _suspects: weakref.WeakKeyDictionary[Profiler, list[tuple[Profiler, int]]] = wea
 _WAIT_STEPS = 2
 # why each Profiler detached here was (its ``step()`` says it, not "use `with prof:`" inside `with prof:`)
 _detached_why: weakref.WeakKeyDictionary[Profiler, str] = weakref.WeakKeyDictionary()
+# the one line of ``save()`` / ``report()`` on a Profiler that never attached (it wrote a "complete" run of no step)
+NOTHING_RECORDED = (
+    "nothing recorded: this Profiler was never attached; attach it (`with prof:` or prof.attach()) and call "
+    "prof.step() after each optimizer step first"
+)
 # a second Profiler on a model that has one: why the first is detached
 _SAME_MODEL = (
     "another Profiler attached to the same model, and one model takes one Profiler at a time (each would record "

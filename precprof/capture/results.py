@@ -17,7 +17,7 @@ from precprof import stats as st
 from precprof import tables as T
 from precprof._run_finisher import machine_describer, run_finisher, run_renderer
 from precprof._version import __version__
-from precprof.capture import arguments, resumed, unsaved
+from precprof.capture import arguments, attached, resumed, unsaved
 from precprof.capture.block_budget import BlockDeal
 from precprof.capture.collect import Collector
 from precprof.capture.model_facts import (
@@ -485,6 +485,8 @@ class ProfilerResults:
             if run_dir is None:
                 raise ValueError("save() needs a run directory: save(run_dir), or Profiler(..., out=run_dir)")
         run_dir = rundir.check_name(run_dir, "path")  # (an empty one was the working directory)
+        if self._plan is None and (status or self._status) == T.STATUS_COMPLETE:  # never attached
+            raise RuntimeError(attached.NOTHING_RECORDED)
         if not self.is_writer:
             return run_dir
         unsaved.refuse_taken(self)  # its run taken over by another Profiler: its stream is that one's
@@ -496,12 +498,11 @@ class ProfilerResults:
             raise RuntimeError("precprof.pipeline, which writes run directories, is not loaded")
         # refused in one line where another run is there: a killed run's stream may be its only record
         claimed = None if self._ours(run_dir) else rundir.claim(run_dir, overwrite=overwrite, option="path")
-        snapshot = self._attached  # a look at the run so far, kept in memory: training goes on
         try:  # mid-run, its time is not the step's (``not_training``)
             with self.not_training(), self._recorded.saving(run_dir):
                 full = self.run_summary(summary, status, reason)
                 tables, live = self.tables(), None
-                if snapshot:  # saying so, as ``_snapshot``'s page does: never "complete"
+                if self._attached:  # a look at the run so far, saying so as ``_snapshot``'s does
                     last = int(ended.max()) if len(ended := tables["steps"][T.STEP].dropna()) else None
                     live = rundir.live_note(run_dir, last, recording=True, streamed=False)
                     full[T.SUMMARY_STATUS], full[T.SUMMARY_INCOMPLETE_REASON] = T.STATUS_INCOMPLETE, live
@@ -520,7 +521,7 @@ class ProfilerResults:
                 claimed.release()
                 self._saved_into |= {run_dir.resolve()}
         runfiles.release_memory()  # the tables are dropped: what the allocators kept of them goes back
-        if not snapshot:  # (the run's status is its end's, not a snapshot's)
+        if not self._attached:  # (the run's status is its end's, not a snapshot's)
             self._saved = written[T.SUMMARY_STATUS], written[T.SUMMARY_INCOMPLETE_REASON]
         if sink is not None and not self._attached:  # the run is saved: it gives the writer process back
             sink.end()
