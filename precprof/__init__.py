@@ -11,8 +11,8 @@ Public API::
     precprof.recommend("runs/x")
 
 Each name is loaded when first used: ``precprof.Profiler`` imports torch, which reading run directories
-(`precprof report`, ``recommend``) never needs; ``recommend``, ``Recommendation`` and ``finish_run`` import
-pandas, Arrow and the report. ``import precprof`` itself loads nothing else, so that the command line loads
+(`precprof report`, ``recommend``) never needs; ``recommend`` and ``Recommendation`` import pandas, Arrow and
+the report. ``import precprof`` itself loads nothing else, so that the command line loads
 its modules under its own Ctrl-C handler (``precprof.__main__``); in a process that loaded torch before it, it
 loads ``precprof.clipwatch`` (torch's ``clip_grad_norm_`` wrapped, a pass-through while no Profiler is
 attached), so that a function compiled after ``import precprof`` and before the first Profiler never sees the
@@ -32,11 +32,10 @@ if "torch" in sys.modules:  # cheap then: torch.nn.utils is loaded
 if TYPE_CHECKING:
     from precprof.analysis.advisor import Recommendation, recommend
     from precprof.capture import Profiler
-    from precprof.pipeline import finish_run
 
-__all__ = ["Profiler", "Recommendation", "__version__", "finish_run", "recommend"]
+__all__ = ["Profiler", "Recommendation", "__version__", "recommend"]
 
-_FROM_PIPELINE = ("Recommendation", "recommend", "finish_run")
+_FROM_PIPELINE = ("Recommendation", "recommend")
 
 
 def __getattr__(name: str) -> Any:
@@ -51,7 +50,6 @@ def __getattr__(name: str) -> Any:
         found = {
             "Recommendation": pipeline.advisor.Recommendation,
             "recommend": pipeline.advisor.recommend,
-            "finish_run": pipeline.finish_run,
         }
         globals().update(found)
         return found[name]

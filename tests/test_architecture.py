@@ -94,7 +94,7 @@ LAZY: dict[str, tuple[str, ...]] = {
     ),
     "__init__.py": (
         "precprof.Profiler (precprof.capture) imports torch, which reading a run directory never needs",
-        "recommend and finish_run (precprof.pipeline) import pandas, Arrow and the report: `import precprof` "
+        "recommend and Recommendation (precprof.pipeline) import pandas, Arrow and the report: `import precprof` "
         "stays light, so that the command line loads them under its Ctrl-C handler",
     ),
     "__main__.py": (

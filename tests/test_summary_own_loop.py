@@ -4,6 +4,8 @@ no Software rows); and the report of such a run killed before it saved, which na
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import json
 import re
 from pathlib import Path
@@ -15,6 +17,7 @@ from torch import nn
 import precprof
 from precprof import hardware, pipeline, taxonomy
 from precprof import tables as T
+from precprof.analysis.advisor import Finding, Recommendation
 from precprof.analysis.throughput import compiled_steps, throughput
 from precprof.report import context, environment
 from precprof.report import filters as F
@@ -136,3 +139,19 @@ def test_the_readmes_own_loop_snippet_runs_as_written(
     assert (tmp_path / "runs" / "mine" / "report.html").is_file()
     assert set(scope["tables"]) >= {"layers", "steps"} and len(scope["tables"]["steps"]) == 3
     assert precprof.recommend(tmp_path / "runs" / "mine").format
+
+
+def test_the_public_names_and_fields_are_the_documented_ones() -> None:
+    """t4 read the API literally: ``finish_run`` was in ``precprof.__all__`` and nowhere in the README, the
+    Profiler's docstring left ``first_step`` out, and ``Finding.title``, ``Recommendation.target``, ``.device``,
+    ``.block_what_if``, ``.wrapped_weight_layers`` and summary.json's ``final.tokens_per_s_basis`` were not
+    documented. Each public name and field is named in the README, and each Profiler argument in its docstring."""
+    readme = (Path(precprof.__file__).parent.parent / "README.md").read_text()
+    named = {n for t in re.findall(r"`([^`\n]+)`", readme) for n in (t, t.split(".")[-1])}
+    assert [n for n in precprof.__all__ if not n.startswith("__") and n not in named] == []
+    for cls in (Finding, Recommendation):
+        assert [f.name for f in dataclasses.fields(cls) if f.name not in named] == [], cls.__name__
+    assert "final.tokens_per_s_basis" in named
+    doc = precprof.Profiler.__doc__ or ""
+    params = inspect.signature(precprof.Profiler).parameters
+    assert [p for p in params if not re.search(rf"^ {{8}}{p}: ", doc, re.MULTILINE)] == []

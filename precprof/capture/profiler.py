@@ -85,6 +85,8 @@ class Profiler(PartsAssembly, ProfilerResults, OptimizerSwitch):
         weight_updates: record ``weight_update`` rows (needs ``optimizer``).
         update_sample: elements per parameter sampled (strided) for the weight-update statistics.
         chunk: scratch chunk size for the statistics (see ``StatsBuffer``).
+        first_step: the number of the first step (0): a job restarted from its checkpoint gives the checkpoint's
+            step (with ``out`` and ``resume``), so that its steps are numbered, and sampled, as the run's.
         reducer: how statistics combine across ranks. ``"auto"``: under an initialised torch.distributed
             process group of more than one rank, ``precprof.capture.reducer.RankReducer`` (counts and histograms
             summed, absmax/absmin reduced, rank 0 writes); None: this process only.
@@ -116,9 +118,10 @@ class Profiler(PartsAssembly, ProfilerResults, OptimizerSwitch):
         block_budget: with ``block_groups=None``, the share of the rest of a sampled step that the block
             what-if may add (0.1).
         out: a run directory to stream into (a path, or a claimed ``precprof.rundir.RunDir``): each flush's rows
-            go there as Parquet parts on a background thread (``capture.stream``): host memory stays bounded, and
-            a killed run keeps every step whose flush reached the stream's writer process before the kill (not
-            those still queued in this process: README, "In your own training loop"). Claimed (checked, locked, a first summary.json
+            go there as Parquet parts, written by a process of its own at the lowest priority
+            (``capture.stream``, ``capture.writer_process``): host memory stays bounded, and a killed run keeps
+            every step whose flush reached that process before the kill (not those still queued in this process:
+            README, "In your own training loop"). Claimed (checked, locked, a first summary.json
             written) at ``attach()``; ``save()`` and ``report()`` then default to it (while attached, a look at
             the steps so far: the stream goes on, the run stays "running"). Only the writer rank writes; other
             ranks keep their steps rows. None (the default): every row is kept in memory until ``save()``.
