@@ -43,7 +43,7 @@ from precprof.capture.recorded import Recorded
 from precprof.capture.records import module_entries
 from precprof.capture.reducer import wrapper_info
 from precprof.capture.sampling import Sampler
-from precprof.capture.scaler import ScalerWatch
+from precprof.capture.scaler import ScalerWatch, norm_type_said, scaler_enabled
 from precprof.capture.storage import sharded_states
 from precprof.capture.stream import StreamWriter
 from precprof.capture.updates import UpdateSampler
@@ -314,7 +314,7 @@ class ProfilerResults:
             # None: no recorded forward pass saw autocast (nothing sampled), which is not "off"
             "autocast": dict(self._autocast_seen) or None,
             "scaler": type(self.scaler).__name__ if self.scaler is not None else None,
-            "scaler_enabled": bool(_scaler_enabled(self.scaler)) if self.scaler is not None else None,
+            "scaler_enabled": bool(scaler_enabled(self.scaler)) if self.scaler is not None else None,
             "scaler_growth_interval": _compat.scaler_growth_interval(self.scaler),
             **self.wrappers_said,  # scaler_from (a GradScaler not given, found on a wrapper: where), its request
             "compiled": compiled_parts(self.model),
@@ -352,7 +352,7 @@ class ProfilerResults:
             "memory_steps": self._tracker.schedule.describe() if hasattr(self._tracker, "schedule") else None,
             "memory_enabled": self.memory_enabled,
             # the norm the loop clipped by, when it was not the 2-norm ("inf": max |g|); what grad_norm holds
-            "grad_norm_type": _norm_type(self._clip_norms),
+            "grad_norm_type": norm_type_said(self._clip_norms),
             # module forwards of sampled steps that ran in eval mode with grad on (an evaluation): not read
             "eval_forwards_ignored": self._hooks.eval_forwards if self._hooks is not None else 0,
             # module forwards of sampled steps an activation checkpoint ran again (read once; saved: what it keeps)
@@ -594,17 +594,3 @@ SHARDED_STATES = (
     "each rank's own shard (ZeroRedundancyOptimizer): the memory table's are rank 0's, about 1/world_size of "
     "the whole model's"
 )
-
-
-def _scaler_enabled(scaler: Any) -> bool:
-    """Whether a GradScaler (or a scaler like it) scales at all: ``GradScaler(enabled=False)`` is a no-op."""
-    is_enabled = getattr(scaler, "is_enabled", None)
-    return bool(is_enabled()) if callable(is_enabled) else True
-
-
-def _norm_type(clips: Any) -> str | None:
-    """The norm type of the clips noted ("inf", "1", ...), None for the 2-norm or no clip."""
-    p = getattr(clips, "norm_type", None)
-    if not isinstance(p, (int, float)) or p == 2.0:
-        return None
-    return "inf" if p == float("inf") else f"{p:g}"

@@ -177,3 +177,17 @@ def _state(getstate: Callable[[], Any]) -> Any:
     if isinstance(out, dict):
         out = {k: v for k, v in out.items() if k not in _PATCHED}
     return out
+
+
+def scaler_enabled(scaler: Any) -> bool:
+    """Whether a GradScaler (or a scaler like it) scales at all: ``GradScaler(enabled=False)`` is a no-op."""
+    is_enabled = getattr(scaler, "is_enabled", None)
+    return bool(is_enabled()) if callable(is_enabled) else True
+
+
+def norm_type_said(clips: Any) -> str | None:
+    """The norm type of the gradient clips noted (``precprof.clipwatch``) ("inf", "1", ...), None for the 2-norm or no clip."""
+    p = getattr(clips, "norm_type", None)
+    if not isinstance(p, (int, float)) or p == 2.0:
+        return None
+    return "inf" if p == float("inf") else f"{p:g}"
