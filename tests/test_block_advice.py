@@ -371,6 +371,38 @@ def test_elsewhere_one_info_finding(run: Any) -> None:
     assert "--target b200" in f.remedy
 
 
+def test_the_remedy_names_only_the_formats_the_plan_uses(run: Any) -> None:
+    """The remedy named NVIDIA's NVFP4 recipe for "the NVFP4 and MXFP4 layers" and Transformer Engine's MXFP8
+    recipe for "the MXFP8 layers" whatever the plan held: a plan of BF16 for every layer (a UNet, reviewer t3)
+    told the user to run layers it had none of with recipes. It names the formats planned; none, nothing."""
+    _, tables, summary = run
+    f = recommend(tables, hardware="b200", summary=summary).finding("block_format_plan")
+    assert f is not None and (
+        f.numbers["layers_nvfp4"],
+        f.numbers["layers_mxfp4"],
+        f.numbers["layers_mxfp8"],
+    ) == (
+        2,
+        0,
+        0,
+    )
+    assert f.remedy.startswith("Run the NVFP4 layers with NVIDIA's NVFP4 training recipe")
+    assert "MXFP4" not in f.remedy and "MXFP8" not in f.remedy and "keep the bf16 layers in bf16" in f.remedy
+    # one layer whose weights no block format reaches: BF16 alone, on the target and as a what-if
+    model = nn.Sequential()
+    model.add_module("inp", nn.Identity())
+    model.add_module("tiny", gaussian_linear(3))
+    with torch.no_grad():
+        model.tiny.weight.mul_(2.0**-140)  # recorded before its one update
+    _, tables, summary = train(model, steps=1)
+    f = recommend(tables, hardware="b200", summary=summary).finding("block_format_plan")
+    assert f is not None and f.numbers["layers_bf16"] == 1 and f.numbers["layers_mxfp8"] == 0
+    assert f.remedy == "Nothing converts: the plan keeps every layer it evaluated in bf16."
+    w = recommend(tables, hardware="h100", summary=summary).finding("block_format_what_if")
+    assert w is not None and "NVFP4" not in w.remedy and "MXFP8" not in w.remedy
+    assert w.remedy.startswith("Nothing to plan for Blackwell")
+
+
 # ----------------------------------------------------------------------------------------------- report
 def test_report_for_b200(run: Any, tmp_path: Path) -> None:
     _, tables, summary = run

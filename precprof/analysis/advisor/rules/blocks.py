@@ -863,6 +863,33 @@ def _reach_remedy(setting: Mapping[str, Any]) -> str:
     return f"{more}, and {turns}"
 
 
+def _recipe_hint(planned: Mapping[str, int]) -> str:
+    """The recipes to run the plan's layers with, naming only the formats it plans some layer in (``planned``:
+    the count of layers each format of ``PLAN_RECIPES`` and "bf16" got); a plan of bf16 alone converts nothing.
+    A plan of BF16 for every layer said "Run the NVFP4 and MXFP4 layers with NVIDIA's NVFP4 training recipe ...
+    and the MXFP8 layers with ..." of layers it had none of."""
+    fp4 = [PLAN_LABELS[k] for k in ("nvfp4", "mxfp4") if planned.get(k)]
+    parts = (
+        [
+            f"the {' and '.join(fp4)} layer{'s' if sum(planned.get(k, 0) for k in ('nvfp4', 'mxfp4')) != 1 else ''} "
+            "with NVIDIA's NVFP4 training recipe (random Hadamard transform on the weight-gradient inputs, "
+            "stochastic rounding of gradients, the last layers in bf16)"
+        ]
+        if fp4
+        else []
+    ) + (
+        [
+            f"the MXFP8 layer{'s' if planned['mxfp8'] != 1 else ''} with Transformer Engine's MXFP8BlockScaling "
+            "(or torchao's MX training)"
+        ]
+        if planned.get("mxfp8")
+        else []
+    )
+    if not parts:
+        return "Nothing converts: the plan keeps every layer it evaluated in bf16."
+    return "Run " + " and ".join(parts) + ("; keep the bf16 layers in bf16." if planned.get("bf16") else ".")
+
+
 def _rule_block_formats(
     run: _Run, plan: _Plan, dims: Mapping[str, Mapping[str, int]] | None = None
 ) -> BlockPlan | None:
@@ -961,11 +988,7 @@ def _rule_block_formats(
         "lost_norm_max": cfg.lost_norm_max,
         "mxfp8_sqnr_min_db": cfg.block_mxfp8_sqnr_min_db,
     }
-    recipe_hint = (
-        "Run the NVFP4 and MXFP4 layers with NVIDIA's NVFP4 training recipe (random Hadamard transform on the "
-        "weight-gradient inputs, stochastic rounding of gradients, the last layers in bf16) and the MXFP8 layers "
-        "with Transformer Engine's MXFP8BlockScaling (or torchao's MX training); keep the bf16 layers in bf16."
-    )
+    recipe_hint = _recipe_hint({k: len(v) for k, v in by.items()})
     if here:
         plan.add(
             Finding(
@@ -999,7 +1022,9 @@ def _rule_block_formats(
             f"{_running_title(moves)}",
             f"{run.hw.name} runs no block-scaled format in hardware; on a {where}, which runs MX and NVFP4 "
             f"formats natively, the plan would be: {result}. {rule}{note}",
-            f"Plan for Blackwell with precprof report RUN_DIR --target {WHAT_IF_TARGET}; there: {recipe_hint}",
+            f"Plan for Blackwell with precprof report RUN_DIR --target {WHAT_IF_TARGET}; there: {recipe_hint}"
+            if any(by[k] for k in PLAN_RECIPES)
+            else f"Nothing to plan for Blackwell: on a {target.name} the plan keeps every layer it evaluated in bf16.",
             modules=[],
             numbers=numbers,
             method=method,
