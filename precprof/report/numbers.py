@@ -283,8 +283,9 @@ LABELS: dict[Any, tuple[str, str] | None] = {
         "count",
     ),
     "eligible_flops_share": (
-        "their share of all matmul FLOPs counted (linear layers, experts, attention projections and scores, "
-        "recurrent gates, convolutions)",
+        "their share of the matmul FLOPs of the model's layers (linear layers, experts, nn.MultiheadAttention's "
+        "projections and scores, recurrent gates, convolutions; matmuls in forward code, einsum, bmm, @, "
+        "attention scores, left out)",
         "share",
     ),
     "experts_flops_share": ("share of the FLOPs in experts float8 conversion leaves in bf16", "share"),

@@ -8,7 +8,13 @@ from precprof import tables as T
 from precprof.analysis.advisor.config import AdvisorConfig
 from precprof.analysis.advisor.evidence import _Plan, _Run
 from precprof.analysis.advisor.model import CRITICAL, INFO, WARNING, Recommendation
-from precprof.analysis.advisor.rules.fp8 import _and, held_back_remedy, speed_keep_remedy, token_counts
+from precprof.analysis.advisor.rules.fp8 import (
+    FORWARD_CODE_UNCOUNTED,
+    _and,
+    held_back_remedy,
+    speed_keep_remedy,
+    token_counts,
+)
 from precprof.analysis.advisor.text import _g, _listing, _loss_scale_said, _name, _pct, _pow2, _scale
 from precprof.taxonomy import FP8_DIM_MULTIPLE
 
@@ -128,9 +134,13 @@ def _flops_whose(plan: _Plan) -> str:
         if share is not None
     ]
     if not left:
-        return f"their matmul FLOPs{missing}"
-    # the share is of all of them: those left in bf16 are part of the whole, not of the eligible layers' share
-    return f"all matmul FLOPs, {' and '.join(left)} (which stay in bf16) among them{missing}"
+        return f"the matmul FLOPs of the model's linear layers ({FORWARD_CODE_UNCOUNTED}){missing}"
+    # the share is of all of them: those left in bf16 are part of the whole, not of the eligible layers' share;
+    # of the layers' matmuls, not of the forward code's (``FORWARD_CODE_UNCOUNTED``)
+    return (
+        f"the matmul FLOPs of the model's layers, {' and '.join(left)} (which stay in bf16) among them "
+        f"({FORWARD_CODE_UNCOUNTED}){missing}"
+    )
 
 
 def _fp8_why_not(plan: _Plan, cfg: AdvisorConfig) -> str:
@@ -243,7 +253,9 @@ def _decide(run: _Run, plan: _Plan) -> Recommendation:
             "are FP8-eligible (convertible, dims and tokens per call multiples of 16, per-tensor current scaling "
             f"losing at most {_pct(cfg.lost_norm_max)} of each tensor's norm to underflow), and "
             f"{_fp8_speed_text(plan)}, each above {cfg.fp8_speedup_min:g}x: both the numbers and the speed allow "
-            "FP8; the rest runs in bf16 autocast."
+            "FP8; the rest runs in bf16 autocast. Their share is of the layers' matmuls, more than half of them: a "
+            "model whose forward code does matmuls of its own (a selective scan, attention over long sequences) "
+            "has less of its step in them, which precprof compare --precisions bf16,fp8 measures."
         )
         reasons += _master_weights_said(plan, run.cfg)
     elif bf16_ok and not plan.bf16_block:
