@@ -5,6 +5,7 @@ the way the advice says."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -402,3 +403,76 @@ def test_a_norm_between_the_layers_that_cast_tiny_values_keeps_them_in_the_list(
     kept, outputs, inputs = _norm_between_run("fp16", ["0", "3"])
     assert all(t.dtype == torch.float32 for t in [*outputs, *inputs])
     assert kept.recommend("t4").finding("fp16_activation_underflow") is None
+
+
+class _GruLm(nn.Module):
+    """An embedding, a 3-layer GRU, a dropout and a head: CPU autocast leaves nn.GRU in fp32 (CUDA's runs cuDNN's in fp16)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(64, 64)
+        self.rnn = nn.GRU(64, 64, num_layers=3, dropout=0.1, batch_first=True)
+        self.drop, self.head = nn.Dropout(0.1), nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.drop(self.rnn(self.emb(x))[0]))
+
+
+def test_a_recurrent_layer_cpu_autocast_left_in_fp32_is_said_for_the_target(tmp_path: Any) -> None:
+    """A GRU LM under fp16 autocast and a GradScaler on a CPU, whose autocast runs nn.GRU in fp32: advised for an
+    H100, the underflow finding left out "emb, rnn, whose gradients an fp16 run holds in fp32", where CUDA's
+    autocast runs the GRU in fp16; and the precision check said "1 of 3 modules ... produce float16 activations"
+    and nothing of the GRU, 2 x its weights' values FLOPs a token, 94% of the matmul layers' (reviewer t3)."""
+    import json
+
+    import pandas as pd
+
+    import precprof
+    from precprof.report import summarize
+
+    model = _GruLm()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    g = torch.Generator().manual_seed(0)
+    with precprof.Profiler(
+        model, optimizer=opt, scaler=scaler, sample_every=1, out=tmp_path, overwrite=True
+    ) as prof:
+        for _ in range(2):
+            x = torch.randint(0, 64, (4, 33), generator=g)
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = model(x[:, :-1])
+            loss = nn.functional.cross_entropy(out.float().reshape(-1, 64), x[:, 1:].reshape(-1))
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+            prof.step(loss=loss)
+    prof.save()
+    with torch.autocast("cpu", dtype=torch.float16):
+        assert (
+            model.rnn(model.emb(x))[0].dtype == torch.float32
+            and model.head(x.float().new_ones(1, 64)).dtype == torch.float16
+        )
+    h100 = precprof.recommend(tmp_path, hardware="h100").finding("fp16_gradient_underflow")
+    assert h100 is not None and "an fp16 run holds in fp32" not in h100.message
+    assert (
+        "whose gradients this run held in fp32 (autocast on this run's cpu; on the H100 autocast runs the recurrent "
+        "layers (rnn) in fp16" in h100.message
+    )
+    cpu = precprof.recommend(tmp_path, hardware="cpu").finding("fp16_gradient_underflow")
+    assert cpu is not None and "rnn" in cpu.message and "autocast on this run's cpu" not in cpu.message
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    layers = pd.read_parquet(tmp_path / "layers.parquet")
+    verdict = summarize.precision_check(layers, pd.read_parquet(tmp_path / "memory.parquet"), summary)[
+        "verdict"
+    ]
+    weights = sum(p.numel() for n, p in model.rnn.named_parameters() if n.startswith("weight"))
+    share = weights / (weights + model.head.weight.numel())
+    assert verdict.startswith("Mixed precision is active: 1 of 3 modules with parameters produce float16")
+    assert (
+        f"Not in float16: the matmul layer rnn (GRU), holding {100 * share:.3g}% of the matmul layers' weight values, "
+        "ran in float32 (autocast on cpu left it there)." in verdict
+    )

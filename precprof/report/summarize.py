@@ -684,6 +684,13 @@ def precision_check(layers: pd.DataFrame, memory: pd.DataFrame, summary: Mapping
             f"produce {dts} activations"
             + (f" ({_float64_said(f64, acts[T.MODULE].nunique())})" if f64 else "")
             + "."
+            + _wide_matmuls_said(
+                summary,
+                set(low[T.MODULE]),
+                set(acts.loc[(narrow == "float32").to_numpy(), T.MODULE]),
+                dts,
+                autocast,
+            )
         )
         ok = True
     elif fp8_alone:
@@ -716,6 +723,51 @@ def precision_check(layers: pd.DataFrame, memory: pd.DataFrame, summary: Mapping
         "ok": ok,
         "banner": banner,
     }
+
+
+# recurrent layers, whose gates are matmuls of their weights (taxonomy gives them no matmul kind)
+_RECURRENT_TYPES = ("LSTM", "GRU", "RNN")
+
+
+def _wide_matmuls_said(
+    summary: Mapping[str, Any], low: set[str], fp32: set[str], dts: str, autocast: Any
+) -> str:
+    """The matmul and recurrent layers that ran in float32 (``fp32``) under active mixed precision, with their share of the
+    matmul layers' weight values, in words ("" where every one did): CPU autocast leaves nn.GRU in fp32, and "1
+    of 3 modules with parameters produce float16 activations" said nothing of the GRU holding 95% of the
+    model's matmul weights (reviewer t3). A linear or recurrent layer does 2 x its weights' values FLOPs a token."""
+    capture = summary.get(T.SUMMARY_CAPTURE) or {}
+    entries = capture.get("modules") if isinstance(capture, Mapping) else None
+    if not isinstance(entries, list):
+        return ""
+    weights: dict[str, tuple[str, int]] = {}
+    for e in entries:
+        kind = str(e.get("type", "")) if isinstance(e, Mapping) else ""
+        if not (taxonomy.is_matmul_type(kind) or kind in _RECURRENT_TYPES):
+            continue
+        got = e.get("params")
+        params: Mapping[str, Any] = got if isinstance(got, Mapping) else {}
+        weights[str(e.get("name"))] = (
+            str(e.get("type")),
+            sum(int(math.prod(v)) for v in params.values() if isinstance(v, list) and len(v) >= 2),
+        )
+    # (a layer in float64 is said apart: its weights are float64)
+    wide = [m for m in weights if m in fp32 and m not in low]
+    total = sum(n for _, n in weights.values())
+    if not wide or not total:
+        return ""
+    share = sum(weights[m][1] for m in wide) / total
+    one = len(wide) == 1
+    names = ", ".join(f"{m} ({weights[m][0]})" for m in wide[:4]) + (
+        f" and {len(wide) - 4} more" if len(wide) > 4 else ""
+    )
+    device = autocast.get("device_type") if isinstance(autocast, Mapping) else None
+    return (
+        f" Not in {dts}: the matmul layer{'' if one else 's'} {names}, holding {100 * share:.3g}% of the matmul "
+        f"layers' weight values, ran in float32"
+        + (f" (autocast on {device} left {'it' if one else 'them'} there)" if device else "")
+        + "."
+    )
 
 
 def _wide_words(acts: pd.DataFrame) -> str:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -774,12 +774,39 @@ def _own32_said(run: _Run, own32: KeptGradients, after: bool) -> str:
         if own32.output
         else ""
     )
+    elsewhere = _autocast_elsewhere(run, own32.modules)
     if not own32.weight:  # (modules without weights: a dropout on an fp32 sum)
-        return f"{'; and' if after else ', leaving out'} {output}, which autocast computed in fp32"
+        return f"{'; and' if after else ', leaving out'} {output}, which autocast computed in fp32{elsewhere}"
     return (
         f"{'; and' if after else ', leaving out'} the weight gradients of {_listing(run.sort(own32.weight), listed)}, "
         "which autocast computed in fp32 (their outputs fp32 on every sampled step)"
         + (f", and {output}" if output else "")
+        + elsewhere
+    )
+
+
+# module types whose whole forward CUDA autocast runs in fp16 (cuDNN's RNNs) and CPU autocast may leave in fp32
+# (nn.GRU)
+_RECURRENT_TYPES = ("LSTM", "GRU", "RNN")
+
+
+def _autocast_elsewhere(run: _Run, modules: Iterable[str]) -> str:
+    """Where the run's autocast device is not the target's (a CPU run advised for an H100), the words saying that
+    the gradients ``modules`` held in fp32 are what autocast did on the recording device, and, of the recurrent
+    layers among them, that autocast on a CUDA target runs them in fp16 ("" where the devices agree). A GRU LM
+    recorded on a CPU, whose autocast leaves nn.GRU in fp32, read "left out: emb, rnn, drop, whose gradients an
+    fp16 run holds in fp32" in its advice for an H100, where autocast runs the GRU in fp16 (reviewer t3)."""
+    recorded = str(run.autocast.get("device_type") or "")
+    target = str(run.hw.device or "")
+    if not recorded or not target or recorded == target:
+        return ""
+    rnn = [m for m in run.sort(list(modules)) if run.types.get(m, "") in _RECURRENT_TYPES]
+    where = f"the {run.hw.name}" if run.hw.preset else target
+    return f" (autocast on this run's {recorded}; on {where} " + (
+        f"autocast runs the recurrent layers ({_listing(rnn, run.cfg.max_listed_modules)}) in fp16, and the "
+        "gradients through them with them, which this count leaves out)"
+        if rnn and target == "cuda"
+        else "the advice is for, autocast's lists of fp32 ops may differ)"
     )
 
 
@@ -1332,7 +1359,12 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan, kept: KeptGradients) -> None:
     held_ag = set(T.texts(held.loc[held[T.TENSOR] == T.ACTIVATION_GRAD, T.MODULE]))
     left = run.sort((held_ag & set(stay32)) - set(kept.output))
     left_said = (
-        f"; left out: {_listing(left, cfg.max_listed_modules)}, whose gradients an fp16 run holds in fp32"
+        f"; left out: {_listing(left, cfg.max_listed_modules)}, whose gradients "
+        + (
+            f"this run held in fp32{elsewhere}"
+            if (elsewhere := _autocast_elsewhere(run, left))
+            else "an fp16 run holds in fp32"
+        )
         if left
         else ""
     )
