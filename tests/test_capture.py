@@ -704,6 +704,26 @@ def test_one_module_pattern_or_type_alone_is_that_one_not_its_characters(spec: A
         ({"chunk": -1}, ValueError, "Profiler(chunk=-1): expected a whole number >= 0"),
         ({"memory": "no"}, TypeError, "Profiler(memory='no'): expected True or False"),
         ({"loss_scale": "1024"}, TypeError, "Profiler(loss_scale='1024'): expected a finite number > 0"),
+        # a whole number is what is counted: a fraction says how to make one
+        ({"sample_every": 2.5}, TypeError, "Profiler(sample_every=2.5): expected a whole number >= 0 ("),
+        (
+            {"memory_every": np.float64(1.5)},
+            TypeError,
+            "Profiler(memory_every=np.float64(1.5)): expected a whole number >= 1 (1: every sampled step), got "
+            "float64; round it: int(...)",
+        ),
+        # a GradScaler's state_dict (a dict: it has an update() too) is no scaler
+        (
+            {"scaler": {"scale": 1024.0}},
+            TypeError,
+            "Profiler(scaler={'scale': 1024.0}): expected a torch.amp",
+        ),
+        # a share of the run's time: 3 meant 3% (it sampled 36 of 40 steps)
+        (
+            {"overhead_budget": 3},
+            ValueError,
+            "Profiler(overhead_budget=3): expected a finite number > 0 and <= 1",
+        ),
     ],
 )
 def test_a_profiler_argument_it_cannot_take_is_one_line_at_construction(
@@ -739,6 +759,39 @@ def test_the_arguments_a_profiler_takes_as_documented_are_taken() -> None:
     steps = prof.tables()["steps"]
     assert steps[T.STEP].tolist() == [3, 4] and steps[T.SAMPLED].all()
     assert sorted(set(prof.tables()["layers"][T.MODULE])) == ["0", "0:input", "2", "2:input", "3"]
+
+
+def test_numbers_from_configs_are_taken_as_the_plain_values_they_stand_for() -> None:
+    """Values a config file, numpy or torch gives (tester t6): ``sample_every=2.0`` (``max_steps / 100``),
+    ``np.float64(2.0)`` and ``torch.tensor(2)`` sampled every second step before the checks came and were then
+    refused; ``memory=np.False_`` was refused as no bool. Taken as the plain value, and kept as it: the checks
+    passed ``memory_every=np.int64(2)``, which the memory schedule then refused at attach, and ``memory_peak=0``,
+    which the memory tracker took for "not False" (on CUDA it replayed the allocator's history)."""
+    for every in (2.0, np.float64(2.0), torch.tensor(2)):
+        model, opt = _mlp4()
+        prof = precprof.Profiler(model, opt, sample_every=every, memory=np.False_, weight_updates=np.True_)
+        _tiny_run(prof, model, opt, steps=4)
+        assert prof.tables()["steps"][T.SAMPLED].tolist() == [True, False, True, False], every
+        assert prof.sample_every == 2 and type(prof.sample_every) is int
+        assert prof.memory_enabled is False and prof.weight_updates is True
+    model, opt = _mlp4()
+    prof = precprof.Profiler(
+        model,
+        opt,
+        sample_every=1,
+        memory_every=np.int64(2),
+        memory_peak=0,
+        overhead_budget=torch.tensor(0.05),
+        loss_scale=np.float32(1.0),
+        first_step=torch.tensor(10),
+        compile_beside=1,
+    )
+    assert prof.memory_every == 2 and type(prof.memory_every) is int and prof.memory_peak is False
+    assert prof.overhead_budget == pytest.approx(0.05) and prof.loss_scale == 1.0
+    assert prof._compile_beside is True
+    _tiny_run(prof, model, opt)
+    assert prof.tables()["steps"][T.STEP].tolist() == [10, 11]
+    assert type(prof.current_step) is int
 
 
 @pytest.mark.parametrize("status", ["finished", "COMPLETE", 5])

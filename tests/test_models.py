@@ -165,6 +165,13 @@ def test_parse_model_args() -> None:
     assert models.coerce_value("3") == 3 and models.coerce_value("0.5") == 0.5
     assert models.coerce_value("True") is True and models.coerce_value("none") is None
     assert models.coerce_value("gelu") == "gelu"
+    # a numpy scalar from a config (tester t6: TrainConfig(model_args={"n_layer": np.int64(1)}) was refused as
+    # "--model-arg n_layer=1: gpt-nano expects an integer")
+    import numpy as np
+
+    assert type(models.coerce_value(np.int64(1))) is int and models.coerce_value(np.float32(0.5)) == 0.5
+    model = build_model("gpt-nano", vocab_size=256, seq_len=16, model_args={"n_layer": np.int64(1)})
+    assert sum(1 for m in model.module.modules() if type(m).__name__ == "GPTBlock") == 1
 
 
 def test_unknown_model_names_the_known_ones() -> None:

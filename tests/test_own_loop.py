@@ -356,6 +356,8 @@ def test_a_loss_accumulator_reused_in_place_is_recorded_as_it_was_at_each_step()
         ({"loss": torch.tensor([])}, ValueError, "prof.step(loss=tensor of shape [0]): expected one number"),
         ({"loss": np.array([2.5])}, ValueError, "prof.step(loss=array of shape [1], float64): expected one"),
         ({"loss": np.array("x")}, ValueError, "prof.step(loss=array of shape [], <U1): expected one number"),
+        # a negative count in a CPU tensor (its value is on the host: read, no sync) gave tokens/s < 0
+        ({"tokens": torch.tensor(-64)}, ValueError, "prof.step(tokens=tensor(-64)): expected the number of"),
     ],
 )
 def test_a_step_argument_it_cannot_record_is_one_line_and_the_run_goes_on(
@@ -381,7 +383,8 @@ def test_a_step_argument_it_cannot_record_is_one_line_and_the_run_goes_on(
                 assert str(e.value).startswith(said) and "\n" not in str(e.value)
             # a loss of shape [1], and a 0-d numpy array (a loss computed with numpy): one number each
             one = loss.detach().reshape(1) if step != 2 else np.array(loss.item())
-            prof.step(loss=one, tokens=np.int64(32) if step else 32.0)
+            # tokens as a loop counts them: a float, a numpy int, a 0-d array (mask.sum().numpy())
+            prof.step(loss=one, tokens=[32.0, np.int64(32), np.array(32)][step])
     steps = prof.tables()["steps"]
     assert steps[T.STEP].tolist() == [0, 1, 2] and steps[T.LOSS].notna().all()
     assert steps[T.LOSS].dtype == np.float64

@@ -116,7 +116,7 @@ def throughput(steps: pd.DataFrame, compiled: Collection[int] = ()) -> dict[str,
         out["sampled_step_cost"] = out["step_time_sampled_median_s"] / out["step_time_unsampled_median_s"]
     use = plain if int(plain.sum()) >= MIN_STEPS else timed
     out["tokens_per_s_basis"] = BASIS_UNSAMPLED if use is plain else BASIS_ALL
-    counted = use & np.isfinite(tokens)
+    counted = use & np.isfinite(tokens) & (tokens >= 0)  # (a device tensor's negative count: not checked)
     out["tokens_per_s_steps"] = int(counted.sum())
     if counted.any():
         t = _median(time[counted])

@@ -24,6 +24,18 @@ def _said(caller: str, name: str, value: Any) -> str:
     return f"{caller}({name}={value!r:.80})"
 
 
+def _plain(value: Any) -> Any:
+    """A numpy scalar or 0-d array, or a 0-d tensor, as the Python number it holds (read once, at construction: a
+    value from a config file, ``np.int64`` or ``torch.tensor(2)``, worked as one before the checks); a whole
+    float (``2.0``, ``max_steps / 100``) as an int; anything else as it is."""
+    numpy = isinstance(value, (np.generic, np.ndarray)) and np.ndim(value) == 0
+    if numpy or (isinstance(value, torch.Tensor) and value.dim() == 0 and not value.is_complex()):
+        value = value.item()
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
 def _whole(value: Any) -> bool:
     """An integer, not a bool (``True`` is no number of steps)."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
@@ -36,14 +48,16 @@ def _real(value: Any) -> bool:
 def _integer(low: int, what: str, optional: str = "") -> Callable[[str, str, Any], Any]:
     """A check of a whole number >= ``low`` (None allowed where ``optional`` says what it means)."""
 
-    def check(caller: str, name: str, value: Any) -> Any:
-        if value is None and optional:
+    def check(caller: str, name: str, given: Any) -> Any:
+        if given is None and optional:
             return None
+        value = _plain(given)
         if not _whole(value):
+            fix = "; round it: int(...)" if _real(value) else ""
             raise TypeError(
-                f"{_said(caller, name, value)}: expected a whole number >= {low} ({what})"
+                f"{_said(caller, name, given)}: expected a whole number >= {low} ({what})"
                 + (f" or None ({optional})" if optional else "")
-                + f", got {type(value).__name__}"
+                + f", got {type(given).__name__}{fix}"
             )
         if value < low:
             raise ValueError(
@@ -55,20 +69,23 @@ def _integer(low: int, what: str, optional: str = "") -> Callable[[str, str, Any
     return check
 
 
-def _positive(what: str, optional: str = "") -> Callable[[str, str, Any], Any]:
-    """A check of a finite number > 0 (None allowed where ``optional`` says what it means)."""
+def _positive(what: str, optional: str = "", most: float | None = None) -> Callable[[str, str, Any], Any]:
+    """A check of a finite number > 0, and at most ``most`` where given (None allowed where ``optional`` says what
+    it means)."""
+    bound = f" and <= {most:g}" if most is not None else ""
 
-    def check(caller: str, name: str, value: Any) -> Any:
-        if value is None and optional:
+    def check(caller: str, name: str, given: Any) -> Any:
+        if given is None and optional:
             return None
+        value = _plain(given)
         if not _real(value):
             raise TypeError(
-                f"{_said(caller, name, value)}: expected a finite number > 0 ({what})"
+                f"{_said(caller, name, given)}: expected a finite number > 0{bound} ({what})"
                 + (f" or None ({optional})" if optional else "")
-                + f", got {type(value).__name__}"
+                + f", got {type(given).__name__}"
             )
-        if not (math.isfinite(value) and value > 0):
-            raise ValueError(f"{_said(caller, name, value)}: expected a finite number > 0 ({what})")
+        if not (math.isfinite(value) and value > 0 and (most is None or value <= most)):
+            raise ValueError(f"{_said(caller, name, given)}: expected a finite number > 0{bound} ({what})")
         return value
 
     return check
@@ -78,14 +95,16 @@ def _flag(optional: str = "") -> Callable[[str, str, Any], Any]:
     """A check of True or False (0 and 1 too; None where ``optional`` says what it means): a string ("no") was
     taken as True."""
 
-    def check(caller: str, name: str, value: Any) -> Any:
-        if value is None and optional:
+    def check(caller: str, name: str, given: Any) -> Any:
+        if given is None and optional:
             return None
+        value = _plain(given)  # (np.True_, a 0-d bool tensor: the bool it holds)
         if isinstance(value, bool) or (_whole(value) and value in (0, 1)):
             return bool(value)
         raise TypeError(
-            f"{_said(caller, name, value)}: expected True or False"
+            f"{_said(caller, name, given)}: expected True or False"
             + (f" or None ({optional})" if optional else "")
+            + f", got {type(given).__name__}"
         )
 
     return check
@@ -129,7 +148,8 @@ def _reducer(caller: str, name: str, value: Any) -> Any:
 
 
 def _scaler(caller: str, name: str, value: Any) -> Any:
-    if value is None or callable(getattr(value, "update", None)):
+    # (a GradScaler's state_dict, a dict, has an update() too: a scaler scales and unscales)
+    if value is None or all(callable(getattr(value, m, None)) for m in ("update", "scale", "unscale_")):
         return value
     raise TypeError(
         f"{_said(caller, name, value)}: expected a torch.amp.GradScaler (or None), got {type(value).__name__}; "
@@ -143,7 +163,7 @@ CHECKS: dict[str, Callable[[str, str, Any], Any]] = {
     "sample_every": _integer(
         0, "sample every N-th step; 0 records steps only", "as many as overhead_budget allows"
     ),
-    "overhead_budget": _positive("the share of the run's time precprof may add, 0.03"),
+    "overhead_budget": _positive("the share of the run's time precprof may add: 0.03 for 3%", most=1.0),
     "modules": modules_filter,
     "memory": _flag(),
     "memory_every": _integer(1, "1: every sampled step"),
@@ -190,7 +210,10 @@ def step_values(loss: Any, grad_norm: Any, tokens: Any) -> None:
     if tokens is None or (type(tokens) is int and tokens >= 0):
         return
     if isinstance(tokens, torch.Tensor) and tokens.numel() == 1:
-        return
+        if tokens.device.type != "cpu" or tokens.item() >= 0:  # (a device tensor's value: a sync, unread)
+            return
+        raise ValueError(f"prof.step(tokens={tokens!r}): expected the number of tokens the step ran, >= 0")
+    tokens = _plain(tokens)  # (a numpy scalar or 0-d array: mask.sum().numpy())
     if not _real(tokens):
         raise TypeError(
             f"prof.step(tokens={tokens!r:.60}): expected the number of tokens the step ran (an int >= 0), "

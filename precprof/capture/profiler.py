@@ -209,33 +209,35 @@ class Profiler(PartsAssembly, ProfilerResults, OptimizerSwitch):
         self.optimizer = self.optimizers[0] if self.optimizers else None
         self.scaler, self.wrappers_said = given.from_wrappers(scaler, loss_scale, model, optimizer)
         # a manual static loss scale ((loss * s).backward(), gradients / s): read at s, tables unscaled by it
-        self.loss_scale = float(loss_scale) if loss_scale is not None else None
+        self.loss_scale = float(a["loss_scale"]) if a["loss_scale"] is not None else None
         self.sample_every = sample_every
-        self.overhead_budget = float(overhead_budget)
+        self.overhead_budget = float(a["overhead_budget"])
         self.module_filter: ModuleFilter = a["modules"]  # one pattern or type alone: a list of it
-        self.memory_enabled = memory
-        self.memory_every = memory_every
-        self.memory_peak = memory_peak
-        self.reset_peak_memory = reset_peak_memory
-        self.weight_updates = weight_updates and optimizer is not None
-        self._updates_asked = weight_updates
+        # the checked values (a numpy int, a 0-d tensor, 0 for False: as the plain ones they stand for)
+        self.memory_enabled = a["memory"]
+        self.memory_every = a["memory_every"]
+        self.memory_peak = a["memory_peak"]
+        self.reset_peak_memory = a["reset_peak_memory"]
+        self.weight_updates = a["weight_updates"] and optimizer is not None
+        self._updates_asked = a["weight_updates"]
         self._optimizer_changes: list[dict[str, Any]] = []  # ``use_optimizer``'s, for the summary
         self._model_changes: list[dict[str, Any]] = []  # the model changed (``capture/replan.py``)
         self.update_sample = update_sample
         self.chunk = chunk
-        self._block_formats = bool(block_formats) if block_formats is not None else block_formats_from_env()
-        self._blocks = BlockDeal(float(block_budget), block_groups)
+        formats = a["block_formats"]
+        self._block_formats = formats if formats is not None else block_formats_from_env()
+        self._blocks = BlockDeal(float(a["block_budget"]), block_groups)
         self._first_step = first_step
         # steps are sampled from here (a resumed run's start: it keeps the original run's rhythm)
         self._sample_origin = first_step
         self._sampler = Sampler(sample_every, self.overhead_budget, first_step)
         self._landed = LandedValues()
         self._out = out
-        self._resume = resume
-        self._overwrite = overwrite
-        self._compile_beside = bool(compile_beside)
+        self._resume = a["resume"]
+        self._overwrite = a["overwrite"]
+        self._compile_beside = a["compile_beside"]
         self._owned_run: rundir.RunDir | None = None
-        self._reducer_spec = reducer
+        self._reducer_spec = a["reducer"]
         self._reducer: Any = None
         # dashboards: checked here (a missing package is a UserError at once), written after each host copy
         self._dashboards = LiveDashboards.create(
@@ -480,7 +482,11 @@ class Profiler(PartsAssembly, ProfilerResults, OptimizerSwitch):
             step_s = self._t_last - started - outside
             if self._buffer is not None:
                 self._adapt_block_groups(self._step, step_s)
-            self._sampler.observe(self._step, self._sample_reason, step_s, _compat.compiles())
+            schedule = getattr(
+                self._tracker, "schedule", None
+            )  # (a step measuring memory: its own work, longer)
+            measured = bool(schedule is not None and schedule.measuring)
+            self._sampler.observe(self._step, self._sample_reason, step_s, _compat.compiles(), measured)
             if self._sampler.synchronized and self._sampler.budgeted and self._reducer is not None:
                 # every rank samples the same steps: the next one planned now, the latest of the ranks' plans
                 gap = torch.tensor([self._sampler.plan_gap()], dtype=torch.int64, device=self._device)

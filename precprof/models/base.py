@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -72,6 +73,8 @@ def coerce_value(value: Any) -> Any:
 
     Two ways keep a string that reads as a number: leading zeros ("007" stays "007", where int() made it 7),
     and quotes around it ('"12"' is "12", the quotes removed)."""
+    if isinstance(value, np.generic):  # a numpy scalar from a config (np.int64(1)): the Python number it is
+        return value.item()
     if not isinstance(value, str):
         return value
     if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
