@@ -105,6 +105,7 @@ PAUSE_FACTOR = (
     4.0  # a sampled step over this many times both its kinds' recent times holds a pause (``_pause``)
 )
 PAUSE_HISTORY = 3  # ... judged once this many sampled steps were timed
+PAUSE_MIN_S = 1.0  # ... and held at least this many seconds more than them (host jitter of small steps: ms)
 PAUSES_LISTED = 64  # the paused steps the summary lists
 COMPILES_IN_A_ROW = (
     3  # unsampled steps that compiled in a row, left out; after them, compiling is the step's own
@@ -160,6 +161,7 @@ class Sampler:
     _triggered: dict[str, int] = field(default_factory=dict)  # the last step sampled for each event's kind
     paused_steps: list[int] = field(default_factory=list)  # sampled steps that held a pause (``_pause``)
     paused_s: float = 0.0  # the time left out of them
+    paused_count: int = 0  # how many (``paused_steps`` lists the first ``PAUSES_LISTED``)
 
     @property
     def compile_steps(self) -> int:
@@ -355,9 +357,12 @@ class Sampler:
         kept = recent[cut : len(recent) - cut]
         return min(math.fsum(kept) / len(kept), statistics.median(window[-LATEST:]))
 
-    def observe(self, step: int, reason: str, time_s: float, compiles: int | None = None) -> bool:
+    def observe(
+        self, step: int, reason: str, time_s: float, compiles: int | None = None, measured: bool = False
+    ) -> bool:
         """A step ended after ``time_s`` seconds, sampled for ``reason`` ("" when it was not); ``compiles``:
-        Dynamo's count of frames compiled so far (None when it is not loaded). Returns whether the step is left
+        Dynamo's count of frames compiled so far (None when it is not loaded); ``measured``: a sampled step that
+        measured memory (its own work, longer: never a pause). Returns whether the step is left
         out as one Dynamo compiled in (``compiled_at``): its steps table row says so (``T.COMPILED``)."""
         compiled = compiles is not None and compiles != self._compiles
         if compiles is not None:
@@ -371,7 +376,7 @@ class Sampler:
             self._warmed_up = True
             return False
         if reason:
-            time_s -= self._pause(step, time_s)
+            time_s -= 0.0 if measured else self._pause(step, time_s)
             self.sampled_times.append(time_s)
             base = self._recent_base()
             if base is None:
@@ -418,6 +423,11 @@ class Sampler:
         typical = statistics.median(self.sampled_times[-COST_WINDOW:])
         if time_s <= PAUSE_FACTOR * typical or time_s <= PAUSE_FACTOR * max(base, self._unsampled[-1]):
             return 0.0
+        if (
+            time_s - typical < PAUSE_MIN_S
+        ):  # (a small step's host jitter on a busy machine: 4x of milliseconds)
+            return 0.0
+        self.paused_count += 1
         if len(self.paused_steps) < PAUSES_LISTED:
             self.paused_steps.append(step)
         self.paused_s += time_s - typical
@@ -535,6 +545,7 @@ class Sampler:
         # sampled steps that held a pause (``_pause``), the first ``PAUSES_LISTED``, and the time left out of them
         out["paused_steps"] = list(self.paused_steps)
         out["paused_s"] = self.paused_s
+        out["paused_count"] = self.paused_count
         return out
 
 

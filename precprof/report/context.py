@@ -432,11 +432,13 @@ def _paused(sampling: Mapping[str, Any]) -> list[str]:
     steps, left = sampling.get("paused_steps"), sampling.get("paused_s")
     if not isinstance(steps, list) or not steps or not isinstance(left, (int, float)):
         return []
-    n = len(steps)
+    count = sampling.get("paused_count")  # (the list holds the first 64; older summaries only it)
+    n = count if isinstance(count, int) and count >= len(steps) else len(steps)
     return [
         f"{F.count(n)} sampled step{'s' if n != 1 else ''} ({', '.join(F.count(s) for s in steps[:6])}"
-        f"{', ...' if n > 6 else ''}) over 4x the others' time held a pause (time outside training, as between "
-        f"notebook cells): counted at their median time, {left:.2f} s left out"
+        f"{', ...' if n > 6 else ''}) took over 4x the other steps' time and at least a second more: time "
+        f"outside the step's work (a pause, as between notebook cells), each counted at the recent sampled "
+        f"steps' median time, {left:.2f} s left out"
     ]
 
 
