@@ -17,7 +17,7 @@ import pytest
 from report_fixtures import real_run
 
 from precprof import tables as T
-from precprof.report import blocks, environment, render
+from precprof.report import blocks, context, environment, render
 from precprof.report import filters as F
 
 H200 = Path(__file__).parent / "data" / "h200_fp8_summary.json"
@@ -508,3 +508,30 @@ def test_the_steps_sampled_counted_from_a_steps_table_without_step_numbers() -> 
     killed = {T.SUMMARY_CONFIG: {"sample_every": 1}, T.SUMMARY_CAPTURE: {}}
     sampling = sampling_from_steps(killed, steps)[T.SUMMARY_CAPTURE]["sampling"]
     assert (sampling["mode"], sampling["every"]) == ("every", 1)
+
+
+def test_the_overhead_row_counts_every_paused_step_and_names_the_median_it_counts_them_at() -> None:
+    """Reviewer r2: past the 64 the summary lists, the row said "64 sampled steps" of 99, and "counted at their
+    median time" read as the paused steps' own median (it is the recent sampled steps')."""
+    listed = list(range(8, 8 + 8 * 64, 8))
+    (said,) = context._paused({"paused_steps": listed, "paused_s": 97.9, "paused_count": 99})
+    assert said.startswith("99 sampled steps (8, 16, 24, 32, 40, 48, ...) took over 4x the other steps' time")
+    assert "counted at the recent sampled steps' median time, 97.90 s left out" in said
+    (old,) = context._paused({"paused_steps": [8, 16], "paused_s": 3.0})  # a summary before the count
+    assert old.startswith("2 sampled steps (8, 16)")
+
+
+def test_a_resumed_runs_weight_update_row_says_whose_none_it_is() -> None:
+    """Reviewer r2: an attempt resumed at step 20 that sampled one micro-batch step said "none: the optimizer
+    ... stepped on none of the 1 sampled steps, so no weight update was read" of a run whose layers table holds
+    the first attempt's updates of steps 1-19: the capture's count is the last attempt's."""
+    capture = {"sampled_steps": 1, "updates_read_steps": 0, "stream": {"resumed_from": 20}}
+    said = environment._update_reads(256, {"class": "AdamW"}, capture)
+    assert said.startswith(
+        "none in the attempt resumed at step 20 (the earlier attempts' updates read are in the tables): the "
+        "optimizer the Profiler was given stepped on none of the 1 sampled steps"
+    )
+    plain = environment._update_reads(256, {"class": "AdamW"}, {"sampled_steps": 1, "updates_read_steps": 0})
+    assert plain.startswith(
+        "none: the optimizer the Profiler was given stepped on none of the 1 sampled steps"
+    )

@@ -162,8 +162,16 @@ def _update_reads(sample: Any, optimizer: Mapping[str, Any], capture: Mapping[st
     sampled = _int(capture.get("sampled_steps")) or 0
     if _int(sample) and optimizer.get("class") and capture.get("updates_read_steps") == 0 and sampled:
         idle = _int(_map(_map(capture.get("loop_order")).get(T.LOOP_NOT_STEPPED)).get("steps")) or 0
+        # (the capture's counts are the last attempt's: an earlier one's updates are in the tables)
+        resumed = _int(_map(capture.get("stream")).get("resumed_from"))
+        whose = (
+            f"none in the attempt resumed at step {F.count(resumed)} (the earlier attempts' updates read are in the "
+            "tables)"
+            if resumed is not None
+            else "none"
+        )
         return (
-            f"none: the optimizer the Profiler was given stepped on none of the {F.count(sampled)} sampled steps, "
+            f"{whose}: the optimizer the Profiler was given stepped on none of the {F.count(sampled)} sampled steps, "
             "so no weight update was read, nor whether bf16 or fp16 weights would lose them"
             + (
                 f" ({F.count(idle)} of them read weight gradients and no optimizer step: prof.step() called once "
