@@ -134,7 +134,7 @@ def test_fp32_gradients_of_a_layer_kept_out_of_autocast_are_no_fp16_underflow() 
     assert "fc2" not in told and left_out.startswith(" (fp16_keep_fp32: fc2")
     # and the fp32 gradients the histograms' total leaves out are named beside it (a sum of the run's histograms
     # did not give the figure, and nothing said why)
-    said = f"({f.numbers['nonzero_values']:,} nonzero values; left out: ln, tiny, whose gradients an fp16 run holds"
+    said = f"({f.numbers['nonzero_values']:,} nonzero values; left out: ln, tiny, whose gradients this run held in fp32"
     assert said in told
     # the values counted are the fp16 gradients' finite nonzero ones, none of the fp32 ones, nor those of the
     # layers the advice keeps in fp32 (fc3's: the ReLU after it, then fp32 too, computes its gradient in fp32)

@@ -578,7 +578,11 @@ def test_trains_arguments_are_refused_before_the_run_directory_is_claimed(tmp_pa
         ),
         ({}, {"profiler_kwargs": {"out": tmp_path}}, "the loop gives the Profiler its out itself"),
         ({}, {"callbacks": [Callback(), object()]}, "callbacks[1] (object) has no on_start, after_backward"),
-        ({}, {"profiler_kwargs": {"sample_every": -1}}, "sample_every must be >= 0"),
+        (
+            {},
+            {"profiler_kwargs": {"sample_every": -1}},
+            "Profiler(sample_every=-1): expected a whole number >= 0",
+        ),
     ):
         cfg = tiny(tmp_path, **{"steps": 2, **kw})
         with pytest.raises((UserError, ValueError)) as e:
