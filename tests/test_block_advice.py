@@ -1173,3 +1173,44 @@ def test_a_frozen_layer_is_not_judged_on_the_weight_gradient_it_never_computes(f
     assert sqnr[0] < AdvisorConfig().block_fp4_sqnr_min_db < sqnr[-1]
     rec = recommend(tables, hardware="b200", summary={T.SUMMARY_CAPTURE: summary})
     assert rec.block_plan["base"] == "nvfp4"
+
+
+class TiedHead(nn.Module):
+    """An embedding, a linear layer and an output head tied to the embedding (GPT-2's lm_head)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(64, 32)
+        self.mix = nn.Linear(32, 32)
+        self.head = nn.Linear(32, 64, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.mix(self.emb(x))))
+
+
+def test_a_plan_of_no_evaluated_linear_layer_says_so(
+    block_formats_on: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Tester t8: a resumed attempt whose turns reached only an embedding (its tied head in the plan, in bf16,
+    evaluated or not) said "Each of the 0 linear layers was judged on every operand ..., over 1 sampled
+    step(s)". With no linear layer's own operands reached (as ``_turn_came`` says here of every one), the
+    sentence says none was evaluated."""
+    import precprof
+    from precprof.analysis.advisor.rules import blocks as rules
+
+    torch.manual_seed(0)
+    model = TiedHead()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    prof = precprof.Profiler(model, optimizer=opt, sample_every=1, memory=False, block_groups=1)
+    with prof:
+        for _ in range(2):
+            loss = model(torch.randint(0, 64, (BATCH, SEQ))).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            prof.step(loss=loss.detach())
+    monkeypatch.setattr(rules, "_turn_came", lambda weight, grad: False)
+    f = recommend(prof, hardware="b200").finding("block_format_plan")
+    assert f is not None and "Each of the 0 linear layers" not in f.message
+    assert "No linear layer was evaluated: none has block statistics to judge." in f.message

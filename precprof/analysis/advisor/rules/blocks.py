@@ -934,6 +934,8 @@ def _rule_block_formats(
     rule = (
         f"Each of the {len(evaluated)} linear layers was judged on every operand its three GEMMs would quantise, "
         f"{_judged_on(run, evaluated, sampled)}."
+        if evaluated
+        else "No linear layer was evaluated: none has block statistics to judge."  # (only an embedding had a turn)
     )
     method = (
         "A linear layer's operands: forward, its input and weight along in_features; input gradient, its output "
