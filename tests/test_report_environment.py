@@ -535,3 +535,14 @@ def test_a_resumed_runs_weight_update_row_says_whose_none_it_is() -> None:
     assert plain.startswith(
         "none: the optimizer the Profiler was given stepped on none of the 1 sampled steps"
     )
+
+
+def test_a_resumed_runs_memory_row_says_whose_counts_they_are() -> None:
+    """Tester t8: a run resumed at step 10 said "memory measured on ...: 0 of 0" beside a memory table holding
+    the first attempt's step 0, from which the memory section is built: the counts are the last attempt's."""
+    v = {"every": 4, "measured_steps": 0, "sampled_steps": 0}
+    said = environment.memory_setting(v, resumed=10)
+    assert said.endswith(
+        ": 0 of 0 in the attempt resumed at step 10; the earlier attempts' measurements are in the memory table"
+    )
+    assert environment.memory_setting(v).endswith(": 0 of 0")

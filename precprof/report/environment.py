@@ -736,7 +736,8 @@ def capture_rows(
     if stream_error:
         rows.append(("streaming to disk", f"stopped: {stream_error}"))
     if isinstance(capture.get("memory_steps"), Mapping):
-        rows.append(("memory measured on", memory_setting(capture["memory_steps"])))
+        resumed = _int(_map(capture.get("stream")).get("resumed_from"))
+        rows.append(("memory measured on", memory_setting(capture["memory_steps"], resumed)))
     if capture.get("memory_error"):
         rows.append(("memory breakdown", f"failed: {capture['memory_error']}"))
     rows += [(_label(k), F.plain(v)) for k, v in capture.items() if k not in _CAPTURE_SAID and not _empty(v)]
@@ -956,8 +957,10 @@ def sampling_text(
     return text
 
 
-def memory_setting(v: Mapping[str, Any]) -> str:
-    """Which sampled steps measured memory (``capture.memory_schedule.MemorySchedule.describe``), in words."""
+def memory_setting(v: Mapping[str, Any], resumed: int | None = None) -> str:
+    """Which sampled steps measured memory (``capture.memory_schedule.MemorySchedule.describe``), in words;
+    ``resumed``: the step the last attempt of a resumed run began at, whose counts these are (the earlier
+    attempts' measurements are in the memory table)."""
     every = _int(v.get("every")) or 1
     if every == 1:
         text = "every sampled step"
@@ -968,8 +971,12 @@ def memory_setting(v: Mapping[str, Any]) -> str:
     n, of, last = _int(v.get("measured_steps")), _int(v.get("sampled_steps")), _int(v.get("last_measured"))
     if n is not None and of is not None:
         text += f": {F.count(n)} of {F.count(of)}"
+        if resumed is not None:
+            text += f" in the attempt resumed at step {F.count(resumed)}"
         if last is not None:
             text += f" (the last: step {F.count(last)})"
+        if resumed is not None:
+            text += "; the earlier attempts' measurements are in the memory table"
     new = [int(s) for s in v.get("measured_for_new_shapes") or [] if isinstance(s, (int, float))]
     if new:
         text += f"; measured for new input shapes: step{'s' if len(new) > 1 else ''} " + ", ".join(
