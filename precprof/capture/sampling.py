@@ -101,15 +101,11 @@ SPACING = 0.5  # budgeted samples come at least this share of the budget's pace 
 REFRESH_EVERY = 16  # budgeted steps sampled in a row before an unsampled one is timed again
 DENSE_SAMPLES = 200  # budgeted samples at the budget's pace; after them ...
 THIN_EVERY = 100  # ... each this many more come at least twice as far apart (``Sampler.thin_gap``)
-PAUSE_FACTOR = (
-    4.0  # a sampled step over this many times both its kinds' recent times holds a pause (``_pause``)
-)
+PAUSE_FACTOR = 4.0  # a sampled step over this many times both kinds' recent times holds a pause (``_pause``)
 PAUSE_HISTORY = 3  # ... judged once this many sampled steps were timed
 PAUSE_MIN_S = 1.0  # ... and held at least this many seconds more than them (host jitter of small steps: ms)
 PAUSES_LISTED = 64  # the paused steps the summary lists
-COMPILES_IN_A_ROW = (
-    3  # unsampled steps that compiled in a row, left out; after them, compiling is the step's own
-)
+COMPILES_IN_A_ROW = 3  # unsampled steps that compiled in a row, left out; after them compiling is the step's
 
 
 @dataclass
@@ -406,15 +402,13 @@ class Sampler:
         return False
 
     def _pause(self, step: int, time_s: float) -> float:
-        """The time of sampled step ``step`` that is a pause, not the step's (0 where it holds none): one that
-        took over ``PAUSE_FACTOR`` times both the median of the recent sampled steps (``PAUSE_HISTORY`` of them
-        timed at least) and the unsampled steps' time (their trimmed mean, or the latest one where it is slower:
-        steps that just got slower, a longer sequence, make no pause) holds time the loop spent outside
-        training: a notebook's user reading between cells while attached, a checkpoint written. Its time beyond
-        the sampled steps' median is left out of what the step added and of the run's time, and said
-        (``paused_steps``, ``paused_s``): counted, a 3 s pause made the overhead 72% where it was 7%, and a
-        budgeted run sampled nothing until its time caught up. A sampled step's own work does not grow fourfold
-        from one step to the next (what it reads is the same each time). Sampled steps only: nothing on the others."""
+        """The time of sampled step ``step`` that is a pause, not the step's (0 where it holds none): over
+        ``PAUSE_FACTOR`` times both the recent sampled steps' median (``PAUSE_HISTORY`` timed at least) and the
+        unsampled steps' time (their trimmed mean, or the latest where slower: steps that just got slower make no
+        pause), and ``PAUSE_MIN_S`` more: time outside training (a notebook's user between cells while attached).
+        Its time beyond that median is left out of what the step added and of the run's time, and said
+        (``paused_steps``, ``paused_count``, ``paused_s``): counted, a 3 s pause made 7% read 72%, and a budgeted
+        run sampled nothing until its time caught up. A step that measured memory is never one (``observe``)."""
         if len(self.sampled_times) < PAUSE_HISTORY or not self._unsampled:
             return 0.0
         base = self._recent_base()
