@@ -1096,6 +1096,13 @@ def test_the_memory_section_tells_a_trainer_user_how_to_count_the_loss(tmp_path:
             TypeError,
             "PrecprofCallback(first_step=...): the callback gives the Profiler the Trainer's step",
         ),
+        # (refused only at trainer.train(), after the Trainer was set up, in words that named no callback)
+        (
+            {"tensorboard": 3},
+            TypeError,
+            "PrecprofCallback(tensorboard=3): expected a log directory or a torch.utils.tensorboard.SummaryWriter",
+        ),
+        ({"wandb": 3}, TypeError, "PrecprofCallback(wandb=3): expected True (the current wandb.run)"),
     ],
 )
 def test_a_profiler_argument_the_callback_cannot_pass_on_is_refused_when_it_is_made(
@@ -1108,6 +1115,20 @@ def test_a_profiler_argument_the_callback_cannot_pass_on_is_refused_when_it_is_m
         PrecprofCallback(out=tmp_path / "run", report=False, **kw)
     assert str(e.value).startswith(said) and "\n" not in str(e.value)
     assert not (tmp_path / "run").exists()
+
+
+def test_the_callbacks_own_arguments_are_checked_when_it_is_made() -> None:
+    """``out=123`` was pathlib's TypeError naming no argument; ``report="yes"`` was taken (tester t8)."""
+    with pytest.raises(TypeError) as e:
+        PrecprofCallback(out=123)
+    assert (
+        str(e.value)
+        == "PrecprofCallback(out=123): expected a run directory's path (a str or a Path), got int"
+    )
+    with pytest.raises(TypeError) as e:
+        PrecprofCallback(report="yes")
+    assert str(e.value) == "PrecprofCallback(report='yes'): expected True or False, got str"
+    assert PrecprofCallback(out="runs/x", report=0).report is False
 
 
 def test_the_callback_takes_one_module_pattern_alone(tmp_path: Path) -> None:

@@ -1036,6 +1036,8 @@ def test_the_memory_section_tells_a_lightning_user_how_to_count_the_loss(tmp_pat
             TypeError,
             "PrecprofCallback(scaler=...): the callback gives the Profiler the Trainer's GradScaler itself",
         ),
+        ({"tensorboard": 3}, TypeError, "PrecprofCallback(tensorboard=3): expected a log directory or a"),
+        ({"wandb": "yes"}, TypeError, "PrecprofCallback(wandb='yes'): expected True (the current wandb.run)"),
     ],
 )
 def test_a_profiler_argument_the_callback_cannot_pass_on_is_refused_when_it_is_made(
@@ -1047,3 +1049,11 @@ def test_a_profiler_argument_the_callback_cannot_pass_on_is_refused_when_it_is_m
         PrecprofCallback(out=tmp_path / "run", report=False, **kw)
     assert str(e.value).startswith(said) and "\n" not in str(e.value)
     assert not (tmp_path / "run").exists()
+
+
+def test_the_callbacks_own_arguments_are_checked_when_it_is_made() -> None:
+    """As the Hugging Face callback's: ``out=123`` and ``report="yes"`` (tester t8)."""
+    with pytest.raises(TypeError, match=r"^PrecprofCallback\(out=123\): expected a run directory's path"):
+        PrecprofCallback(out=123)
+    with pytest.raises(TypeError, match=r"^PrecprofCallback\(report='yes'\): expected True or False"):
+        PrecprofCallback(report="yes")

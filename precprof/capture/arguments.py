@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -18,6 +20,7 @@ import torch
 from torch import nn
 
 from precprof import tables as T
+from precprof.export.wandb import BesideTrainer
 
 
 def _said(caller: str, name: str, value: Any) -> str:
@@ -157,6 +160,43 @@ def _scaler(caller: str, name: str, value: Any) -> Any:
     )
 
 
+flag = _flag()  # True or False (0 and 1 too, numpy's and a 0-d tensor's): a callback's own ``report``
+
+
+def _tensorboard(caller: str, name: str, value: Any) -> Any:
+    # (what the dashboard makes of it, a directory checked and a writer made, waits for the Profiler: a callback
+    # made creates nothing on disk; the type is checked here, where a callback's argument is given)
+    if value is None or isinstance(value, (str, os.PathLike)) or hasattr(value, "add_scalar"):
+        return value
+    raise TypeError(
+        f"{_said(caller, name, value)}: expected a log directory or a torch.utils.tensorboard.SummaryWriter, "
+        f"got {type(value).__name__}"
+    )
+
+
+def _wandb(caller: str, name: str, value: Any) -> Any:
+    if value is None or isinstance(value, (bool, BesideTrainer)) or hasattr(value, "log"):
+        return value
+    raise TypeError(
+        f"{_said(caller, name, value)}: expected True (the current wandb.run), a wandb run object or "
+        f"precprof.export.wandb.BesideTrainer(run), got {type(value).__name__}"
+    )
+
+
+def run_dir(caller: str, name: str, value: Any) -> Any:
+    """A run directory argument (``out``): None, a path (str or os.PathLike), or a claimed ``RunDir`` (what
+    ``rundir.claim`` returns: it has a ``path``); ``out=123`` was a TypeError from pathlib, naming no argument."""
+    if (
+        value is None
+        or isinstance(value, (str, os.PathLike))
+        or isinstance(getattr(value, "path", None), Path)
+    ):
+        return value
+    raise TypeError(
+        f"{_said(caller, name, value)}: expected a run directory's path (a str or a Path), got {type(value).__name__}"
+    )
+
+
 # every Profiler argument checked here, by name: what the check returns is the value the Profiler keeps
 CHECKS: dict[str, Callable[[str, str, Any], Any]] = {
     "scaler": _scaler,
@@ -181,6 +221,9 @@ CHECKS: dict[str, Callable[[str, str, Any], Any]] = {
     "resume": _flag("as left out; the callbacks then continue a run when training resumes from a checkpoint"),
     "overwrite": _flag(),
     "compile_beside": _flag(),
+    "tensorboard": _tensorboard,
+    "wandb": _wandb,
+    "out": run_dir,
 }
 
 

@@ -199,6 +199,9 @@ class Profiler(PartsAssembly, ProfilerResults, OptimizerSwitch):
                 "resume": resume,
                 "overwrite": overwrite,
                 "compile_beside": compile_beside,
+                "tensorboard": tensorboard,
+                "wandb": wandb,
+                "out": out,
             }
         )
         sample_every, first_step = a["sample_every"], a["first_step"]

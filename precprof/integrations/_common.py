@@ -66,6 +66,13 @@ def checked_profiler_kwargs(caller: str, sample_every: Any, kwargs: Mapping[str,
     return arguments.checked({"sample_every": sample_every, **kwargs}, caller)
 
 
+def checked_own(caller: str, out: Any, report: Any) -> tuple[Path | None, bool]:
+    """A callback's own ``out`` and ``report``, checked at its construction as the Profiler's arguments are:
+    ``out=123`` was pathlib's TypeError naming no argument, ``report="yes"`` was taken."""
+    out = arguments.run_dir(caller, "out", out)
+    return (Path(out) if out is not None else None), arguments.flag(caller, "report", report)
+
+
 class Session:
     """One profiled training run driven by a framework's callbacks.
 

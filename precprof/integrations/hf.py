@@ -74,7 +74,13 @@ from precprof import tables as T
 from precprof.capture import unsaved
 from precprof.errors import MissingDependencyError, UserError
 from precprof.export.wandb import beside_trainer
-from precprof.integrations._common import Session, checked_profiler_kwargs, first_token_count, model_info
+from precprof.integrations._common import (
+    Session,
+    checked_own,
+    checked_profiler_kwargs,
+    first_token_count,
+    model_info,
+)
 
 try:
     from transformers import TrainerCallback
@@ -162,11 +168,10 @@ class PrecprofCallback(TrainerCallback):  # type: ignore[misc]
         report: bool = True,
         **profiler_kwargs: Any,
     ) -> None:
-        self.out = Path(out) if out is not None else None
         # checked now, as the Profiler checks them: a typo or a bad value is refused here, not in the first step
+        self.out, self.report = checked_own("PrecprofCallback", out, report)
         checked = checked_profiler_kwargs("PrecprofCallback", sample_every, profiler_kwargs)
         self.sample_every = checked.pop("sample_every")
-        self.report = report
         self.profiler_kwargs = checked
         self.trainer: Any = None  # set by profile_trainer: gives the wrapped model and the accelerator
         self._session: Session | None = None

@@ -64,7 +64,13 @@ from precprof._notice import notice
 from precprof.capture import unsaved
 from precprof.errors import MissingDependencyError
 from precprof.export.wandb import beside_trainer, wandb_module
-from precprof.integrations._common import LIGHTNING_PRECISIONS, Session, checked_profiler_kwargs, model_info
+from precprof.integrations._common import (
+    LIGHTNING_PRECISIONS,
+    Session,
+    checked_own,
+    checked_profiler_kwargs,
+    model_info,
+)
 from precprof.integrations.fed_tokens import UNKNOWN, FedTokens
 from precprof.integrations.fed_tokens import token_embedding as token_embedding  # (its home before)
 
@@ -122,11 +128,10 @@ class PrecprofCallback(Callback):  # type: ignore[misc]
         **profiler_kwargs: Any,
     ) -> None:
         super().__init__()
-        self.out = Path(out) if out is not None else None
         # checked now, as the Profiler checks them: a typo or a bad value is refused here, not in the first step
+        self.out, self.report = checked_own("PrecprofCallback", out, report)
         checked = checked_profiler_kwargs("PrecprofCallback", sample_every, profiler_kwargs)
         self.sample_every = checked.pop("sample_every")
-        self.report = report
         self.profiler_kwargs = checked
         self._session: Session | None = None
         self._last_global_step = 0
