@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from precprof import _atomic, _signals, hardware, rundir, training
+from precprof import _atomic, _signals, hardware, rundir, taxonomy, training
 from precprof import tables as T
 from precprof.analysis.comparison import (
     ADVISED,
@@ -264,7 +264,7 @@ def compare_runs(
             + "; ".join(dict.fromkeys(models))
             + "): compare runs of one model, in the precisions to choose between"
         )
-    precisions = [_precision_of(s) for s in summaries]
+    precisions = [_precision_of(s, d) for s, d in zip(summaries, dirs, strict=True)]
     # a run goes by its precision; runs of one precision by their folders (a callback's is "precprof": its
     # parent's name with it)
     names = [
@@ -352,10 +352,16 @@ def _ranks_note(summaries: Sequence[Mapping[str, Any]], names: Sequence[str]) ->
     )
 
 
-def _precision_of(summary: dict[str, Any]) -> str:
+def _precision_of(summary: dict[str, Any], run_dir: Path) -> str:
+    """The precision a run goes by: its configuration's, or the one its capture saw; a run still recording, or
+    killed before it saved (its first summary, written before any forward pass, names none), by its layers'
+    dtypes as its report reads them (it went by "run": "the run run has no recommendation to check")."""
     cfg = summary.get(T.SUMMARY_CONFIG) or {}
     capture = summary.get(T.SUMMARY_CAPTURE) or {}
-    return str(cfg.get("precision") or capture.get("precision_seen") or "run").lower()
+    said = cfg.get("precision") or capture.get("precision_seen")
+    if not said and T.is_run_dir(run_dir):
+        said = taxonomy.precision_in_layers(T.read_run(run_dir).tables["layers"])
+    return str(said or "run").lower()
 
 
 def _different_models(models: Sequence[str]) -> bool:

@@ -511,3 +511,36 @@ def test_a_killed_compiled_run_says_the_steps_that_ran_compiled() -> None:
     assert "--compile: 2 of 4 steps ran compiled" in _compiled(cfg, some, streamed=True)
     # a saved run's own words stand
     assert _compiled({**cfg, "steps_run_compiled": 2}, some, streamed=False) == cfg["compiled"]
+
+
+def test_a_run_still_recording_goes_by_the_precision_its_layers_show(tmp_path: Path) -> None:
+    """Tester t7: a Profiler's run compared while it still records (its first summary names no precision) went
+    by "run" beside the other run's precision, "run, fp32" for two fp32 runs, and read "the run run has no
+    recommendation to check". It goes by its layers' precision, as its report does: two fp32 runs, by their
+    folders."""
+
+    def loop(out: Path, steps: int) -> precprof.Profiler:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        prof = precprof.Profiler(model, opt, sample_every=1, memory=False, out=out).attach()
+        for _ in range(steps):
+            loss = model(torch.randn(4, 8)).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            prof.step(loss=loss.detach())
+        return prof
+
+    done = loop(tmp_path / "b", 4)
+    done.detach()
+    done.save()
+    live = loop(tmp_path / "a", 3)
+    live.report()  # a look mid-run: every step so far on disk, summary.json still "running"
+    try:
+        comp, _ = C.compare_runs([tmp_path / "a", tmp_path / "b"], out=tmp_path / "cmp")
+        assert [r.label for r in comp.runs] == ["a", "b"]
+        assert all(r.precision == "fp32" for r in comp.runs)
+    finally:
+        live.detach()
+        live.save()
