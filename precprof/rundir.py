@@ -251,9 +251,7 @@ def _check_target(p: Path, *, overwrite: bool, option: str, resume: bool) -> Pat
             held = _describe_existing(p)
             # (a Profiler's out: continued too, as a notebook cell run again after its first run stopped may mean)
             go_on = (
-                " (resume=True to continue it)"
-                if option == "out" and "already holds a precprof run" in held
-                else ""
+                f" ({_continue_it(p)})" if option == "out" and "already holds a precprof run" in held else ""
             )
             raise RunDirError(
                 f"{option} {p}: {held}; choose another {option}, or {_replace_it(option)} to replace it{go_on}"
@@ -369,12 +367,34 @@ def _take_over(run: RunDir) -> None:
 def _stale_refusal(path: Path, option: str) -> RunDirError:
     """The refusal of ``path``, held by a claim of this process whose holder no longer writes it, without
     overwrite or resume: what each does, and the holder's own save."""
-    resume = ", resume=True to continue it" if option == "out" else ""
+    resume = f", {_continue_it(path)}" if option == "out" else ""
     return RunDirError(
         f"{option} {path}: a Profiler of this process that is no longer attached (a cell run again, a loop that "
         f"stopped) holds this run directory's run, not saved; {_replace_it(option)} to replace that run{resume}, "
         f"or choose another {option} (that Profiler's save(), if you still have it, saves the run first)"
     )
+
+
+def _recorded_steps(run_dir: Path) -> list[int]:
+    """The steps the run in ``run_dir`` recorded (its stream's, else its steps table's); [] when none or unread."""
+    steps: list[int] = []
+    with contextlib.suppress(Exception):  # (said in words, never at the cost of the refusal or the attach)
+        read = parts.read_stream(run_dir, ("steps",), T.STEP)
+        table = parts.concat(read.tables.get("steps") or [])
+        steps = table.column(T.STEP).to_pylist() if table is not None and table.num_rows else []
+        whole = run_dir / T.TABLE_FILES["steps"]
+        if not steps and whole.exists():
+            steps = pd.read_parquet(whole, columns=[T.STEP])[T.STEP].tolist()
+    return [int(s) for s in steps]
+
+
+def _continue_it(run_dir: Path | None) -> str:
+    """How a Profiler's ``out`` continues the run in ``run_dir``: from the step after its last recorded one
+    (``first_step`` left at 0, the new attempt's steps had replaced the run's); in words where that step is not
+    known (None: a run still being written)."""
+    steps = _recorded_steps(run_dir) if run_dir is not None else []
+    first = str(max(steps) + 1) if steps else " the step after its last,"
+    return f"resume=True, first_step={first} to continue it"
 
 
 def _same_file(fd: int, path: Path) -> bool:
@@ -424,7 +444,7 @@ def _busy(path: Path, option: str, owner: str) -> RunDirError:
         # (a save while attached is a snapshot: the directory stays the Profiler's. Once detached, saved or not,
         # another claim replaces or continues its run when told to: "save it first" alone led to a second
         # refusal, then a third; and "prof.detach()" named the Profiler just refused, where the cell bound it)
-        resume = " (resume=True to continue it)" if option == "out" else ""
+        resume = f" ({_continue_it(None)})" if option == "out" else ""
         return RunDirError(
             f"{option} {path}: a Profiler in this process is still writing this run directory (it is attached); "
             f"choose another {option}, or call that Profiler's detach() first, then {_replace_it(option)} to "
@@ -611,14 +631,7 @@ def _adopt_saved_tables(p: Path) -> None:
 def warn_replaced(run_dir: Path) -> None:
     """``resume=True`` at step 0 (``first_step`` left out) replaces every step the run recorded: said, with
     the fix, when it recorded some (a job restarted from a checkpoint means to keep the steps before it)."""
-    steps: list[int] = []
-    with contextlib.suppress(Exception):  # a warning, never at the cost of the user's attach
-        read = parts.read_stream(run_dir, ("steps",), T.STEP)
-        table = parts.concat(read.tables.get("steps") or [])
-        steps = table.column(T.STEP).to_pylist() if table is not None and table.num_rows else []
-        whole = run_dir / T.TABLE_FILES["steps"]
-        if not steps and whole.exists():
-            steps = pd.read_parquet(whole, columns=[T.STEP])[T.STEP].tolist()
+    steps = _recorded_steps(run_dir)
     if steps:
         warnings.warn(
             f"precprof: resume=True with first_step=0 replaces the {len(steps):,} steps {run_dir} recorded "

@@ -588,7 +588,7 @@ def test_a_run_directory_another_profiler_writes_is_refused_with_advice_that_wor
     advice = (
         r"a Profiler in this process is still writing this run directory \(it is attached\); choose another "
         r"out, or call that Profiler's detach\(\) first, then pass overwrite=True to replace its run "
-        r"\(resume=True to continue it\)$"
+        r"\(resume=True, first_step= the step after its last, to continue it\)$"
     )
     with pytest.raises(RunDirError, match=advice):
         precprof.Profiler(second, out=out).attach()

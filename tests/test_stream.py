@@ -675,7 +675,8 @@ def test_a_cell_that_raised_run_again_takes_its_run_over_with_overwrite(tmp_path
     assert line == (
         f"out {out}: a Profiler of this process that is no longer attached (a cell run again, a loop that "
         "stopped) holds this run directory's run, not saved; pass overwrite=True to replace that run, "
-        "resume=True to continue it, or choose another out (that Profiler's save(), if you still have it, "
+        "resume=True, first_step=3 to continue it, or choose another out (that Profiler's save(), if you still "
+        "have it, "
         "saves the run first)"
     )
     assert T.read_run(out).tables["steps"][T.STEP].tolist() == [0, 1, 2]  # nothing of the refused one
@@ -765,7 +766,7 @@ def test_a_profiler_collected_unsaved_lets_its_run_directory_go(tmp_path: Path) 
         notebook_cell(model, opt, out, range(3))
     assert str(e.value) == (
         f"out {out}: {out} already holds a precprof run (incomplete); choose another out, or pass overwrite=True "
-        "to replace it (resume=True to continue it)"
+        "to replace it (resume=True, first_step=3 to continue it)"
     )
     notebook_cell(model, opt, raised, range(2, 4), resume=True, first_step=2).save()
     assert T.read_run(raised).tables["steps"][T.STEP].tolist() == [0, 1, 2, 3]
@@ -788,7 +789,7 @@ def test_a_profiler_still_attached_keeps_its_run_directory(tmp_path: Path) -> No
         assert str(e.value) == (
             f"out {out}: a Profiler in this process is still writing this run directory (it is attached); "
             "choose another out, or call that Profiler's detach() first, then pass overwrite=True to replace "
-            "its run (resume=True to continue it)"
+            "its run (resume=True, first_step= the step after its last, to continue it)"
         )
     train_step(model, opt, live, 1)  # it goes on, its run whole
     assert live.attached and rundir.live_writer(out) == os.getpid()
