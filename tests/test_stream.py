@@ -739,6 +739,41 @@ def test_a_cell_that_raised_run_again_with_resume_continues_its_run(tmp_path: Pa
     assert T.read_summary(other)[T.SUMMARY_STATUS] == T.STATUS_COMPLETE
 
 
+def test_a_profiler_whose_attach_was_refused_saves_nothing(tmp_path: Path) -> None:
+    """The cell run again over a saved run: its Profiler's attach is refused, and it recorded nothing; its
+    ``save()`` said "pass overwrite=True to replace it", and doing so replaced the first run's 4 steps with a
+    "complete" run of none (t7). A Profiler that recorded nothing refuses to save, ``overwrite=True`` and
+    ``status="incomplete"`` too, and writes nothing; one whose step 0 crashed with rows recorded still saves."""
+    out = tmp_path / "run"
+    model, opt = tiny_model()
+    notebook_cell(model, opt, out, range(4)).save()
+    saved = {f.name: f.read_bytes() for f in out.iterdir() if f.is_file()}
+    refused = precprof.Profiler(model, opt, sample_every=1, out=out, memory=False)
+    with pytest.raises(rundir.RunDirError, match="already holds a precprof run"):
+        refused.attach()
+    for kw in ({}, {"overwrite": True}, {"status": T.STATUS_INCOMPLETE}, {"report": True}):
+        with pytest.raises(RuntimeError) as e:
+            refused.report(overwrite=True) if kw.pop("report", False) else refused.save(**kw)  # type: ignore[arg-type]
+        assert str(e.value) == (
+            "nothing recorded: this Profiler recorded no step (its attach was refused, or no step ended while it "
+            "was attached); attach it (`with prof:` or prof.attach()) and call prof.step() after each optimizer "
+            "step first"
+        )
+    assert {f.name: f.read_bytes() for f in out.iterdir() if f.is_file()} == saved
+    assert T.read_run(out).tables["steps"][T.STEP].tolist() == [0, 1, 2, 3]
+    never = precprof.Profiler(model, opt)
+    with pytest.raises(RuntimeError, match=r"^nothing recorded: this Profiler was never attached"):
+        never.save(tmp_path / "never", status=T.STATUS_INCOMPLETE)
+    assert not (tmp_path / "never").exists()
+    crashed = precprof.Profiler(model, opt, sample_every=1, memory=False)
+    with pytest.raises(KeyError), crashed:
+        model(torch.randn(4, 8)).square().mean().backward()
+        raise KeyError("typo")
+    crashed.save(tmp_path / "crashed")
+    assert T.read_run(tmp_path / "crashed").tables["steps"][T.STEP].tolist() == [0]
+    assert T.read_summary(tmp_path / "crashed")[T.SUMMARY_STATUS] == T.STATUS_INCOMPLETE
+
+
 def test_a_profiler_collected_unsaved_lets_its_run_directory_go(tmp_path: Path) -> None:
     """The first Profiler of a cell run again, garbage-collected (its name bound to the new one), kept the
     directory's lock until the process ended (its descriptor was a bare int) and its summary said "running (pid

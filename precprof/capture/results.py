@@ -485,8 +485,9 @@ class ProfilerResults:
             if run_dir is None:
                 raise ValueError("save() needs a run directory: save(run_dir), or Profiler(..., out=run_dir)")
         run_dir = rundir.check_name(run_dir, "path")  # (an empty one was the working directory)
-        if self._plan is None and (status or self._status) == T.STATUS_COMPLETE:  # never attached
-            raise RuntimeError(attached.NOTHING_RECORDED)
+        # nothing recorded (never attached, its attach refused): no run to write, nor one to write over
+        if not (self._attached or self._recorded.steps_recorded or self._pending or self._ours(run_dir)):
+            raise RuntimeError(attached.NOTHING_RECORDED if self._plan is None else unsaved.RECORDED_NONE)
         if not self.is_writer:
             return run_dir
         unsaved.refuse_taken(self)  # its run taken over by another Profiler: its stream is that one's

@@ -45,6 +45,11 @@ _watched: weakref.WeakSet[Any] = weakref.WeakSet()  # Profilers holding a run th
 # run directory -> (the "running" text replaced, the cause written)
 _replaced: dict[Path, tuple[str, str]] = {}
 _at_exit_registered = False
+# the one line of ``save()`` / ``report()`` on a Profiler that attached, or tried to, and recorded no step
+RECORDED_NONE = (
+    "nothing recorded: this Profiler recorded no step (its attach was refused, or no step ended while it was "
+    "attached); attach it (`with prof:` or prof.attach()) and call prof.step() after each optimizer step first"
+)
 # the cause a run gets whose Profiler was garbage-collected unsaved (``_collected``)
 COLLECTED = (
     "not saved: its Profiler {who} was garbage-collected before prof.save() or prof.report() (a notebook cell run "
