@@ -774,6 +774,39 @@ def test_a_profiler_whose_attach_was_refused_saves_nothing(tmp_path: Path) -> No
     assert T.read_summary(tmp_path / "crashed")[T.SUMMARY_STATUS] == T.STATUS_INCOMPLETE
 
 
+def test_a_cell_that_raised_run_again_with_the_same_profiler_ends_complete(tmp_path: Path) -> None:
+    """``with prof:`` raised after 3 steps (an error, Ctrl-C); the same cell run again with the same ``prof`` ended
+    3 more steps normally, and the run still said "incomplete", the first block's cause, "the steps recorded
+    before the run stopped" (t7). The status its ``__exit__`` set goes when it attaches again; one the user set
+    stays."""
+    for exc in (ValueError("bug"), KeyboardInterrupt()):
+        out = tmp_path / type(exc).__name__
+        model, opt = tiny_model()
+        prof = precprof.Profiler(model, opt, sample_every=2, out=out, memory=False)
+        with pytest.raises(type(exc)), prof:
+            for step in range(3):
+                train_step(model, opt, prof, step)
+            raise exc
+        assert prof.status[0] == T.STATUS_INCOMPLETE
+        with prof:
+            for step in range(3, 6):
+                train_step(model, opt, prof, step)
+        assert prof.status == (T.STATUS_COMPLETE, None)
+        prof.save()
+        summary = T.read_summary(out)
+        assert summary[T.SUMMARY_STATUS] == T.STATUS_COMPLETE and not summary.get(T.SUMMARY_INCOMPLETE_REASON)
+        assert T.read_run(out).tables["steps"][T.STEP].tolist() == [0, 1, 2, 3, 4, 5]
+    model, opt = tiny_model()
+    prof = precprof.Profiler(model, opt, sample_every=2, memory=False)
+    with pytest.raises(ValueError), prof:
+        train_step(model, opt, prof, 0)
+        raise ValueError("bug")
+    prof.mark_incomplete("loss went nan")  # the user's word
+    with prof:
+        train_step(model, opt, prof, 1)
+    assert prof.status == (T.STATUS_INCOMPLETE, "loss went nan")
+
+
 def test_a_profiler_collected_unsaved_lets_its_run_directory_go(tmp_path: Path) -> None:
     """The first Profiler of a cell run again, garbage-collected (its name bound to the new one), kept the
     directory's lock until the process ended (its descriptor was a bare int) and its summary said "running (pid

@@ -273,6 +273,9 @@ class Profiler(PartsAssembly, ProfilerResults, OptimizerSwitch):
         self._loss_dtypes: dict[torch.dtype, int] = {}
         self._status = T.STATUS_COMPLETE
         self._reason: str | None = None  # why the run is incomplete
+        self._exit_cause: str | None = (
+            None  # the cause ``__exit__`` marked the run incomplete with (``attach``)
+        )
         self._device: torch.device = torch.device("cpu")
 
     # ------------------------------------------------------------------------------------ attach/detach
@@ -284,6 +287,7 @@ class Profiler(PartsAssembly, ProfilerResults, OptimizerSwitch):
         self._stance.explain(exc, self._step)  # (a fail_on_recompile error: why)
         if exc is not None and self._status == T.STATUS_COMPLETE:
             self.mark_incomplete(unsaved.cause(exc))
+            self._exit_cause = self._reason
         # a second Ctrl-C in the detach that a first one began had cut its copy of the last steps short
         with _signals.deferred(None) if exc is not None else contextlib.nullcontext():
             self.detach()
@@ -335,6 +339,12 @@ class Profiler(PartsAssembly, ProfilerResults, OptimizerSwitch):
                 self._owned_run.release()
             raise
         self._attached = True
+        # attached again after a `with` block that raised (a notebook cell run again): its run goes on, and is no
+        # longer stopped by that exception (a status the user or a failed write set stays)
+        stopped, self._exit_cause = (T.STATUS_INCOMPLETE, self._exit_cause), None
+        if stopped[1] is not None and (self._status, self._reason) == stopped:
+            self._status, self._reason = T.STATUS_COMPLETE, None
+            self._saved = None if self._saved == stopped else self._saved
         unsaved.watch(self)  # an uncaught exception that ends the script: its run says so
         # the step in progress starts now: a re-attached Profiler does not count the time it was detached
         self._t_last = time.perf_counter()
