@@ -637,6 +637,42 @@ def test_a_run_whose_with_block_raised_reads_as_stopped_while_its_process_holds_
     assert not T.read_run(out).streamed
 
 
+def test_a_profiler_detached_by_another_on_its_model_reads_as_stopped(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``prof = Profiler(model, out=RUN).attach()`` in a cell that raised, the cell run again: the new Profiler
+    detaches the old one (a warning) and is refused the run. The old run's summary said "running (pid ...)" and
+    ``precprof report`` said "still being written ... writes its own report when it ends" (tester t7): it says
+    why it was detached, and reads as the stopped run it is."""
+    out = tmp_path / "run"
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    old = precprof.Profiler(model, opt, sample_every=2, out=out, memory=False).attach()
+    for step in range(4):
+        train_step(model, opt, old, step)
+    new = precprof.Profiler(model, opt, sample_every=2, out=out, memory=False)
+    with (
+        pytest.warns(UserWarning, match="was detached: another Profiler attached to the same model"),
+        pytest.raises(rundir.RunDirError),
+    ):
+        new.attach()
+    assert not old.attached
+    reason = str(T.read_summary(out)[T.SUMMARY_INCOMPLETE_REASON])
+    assert reason.startswith(
+        "detached after step 3 (the last step prof.step() ended): another Profiler attached to the same model"
+    ), reason
+    assert reason.endswith(f"the steps recorded up to it are kept, and `precprof report {out}` renders them")
+    with pytest.raises(SystemExit):
+        cli.main(["report", str(out)])
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(
+        f"precprof: note: {out} is held by process {os.getpid()}, whose Profiler stopped"
+    ), line
+    old.save()  # as the note says
+    assert len(T.read_run(out).tables["steps"]) == 4
+
+
 def notebook_cell(
     model: nn.Module, opt: torch.optim.Optimizer, out: Path, steps: range, raises: bool = False, **kw: Any
 ) -> precprof.Profiler:

@@ -20,7 +20,8 @@ So when a Profiler attaches, another one still attached is detached, with a warn
 
 Detached rather than refused: in a notebook the stale Profiler is often out of reach (a local of the function
 that raised, or a name the cell binds again), and a refusal would leave nothing to do but restart the kernel.
-Its run is marked incomplete, saying why. Two Profilers on two models (a GAN's generator and discriminator) stay
+Its run is marked incomplete, saying why, and its summary.json says it in place of "running" (``unsaved.say_detached``:
+the run reads as stopped, not as still being written). Two Profilers on two models (a GAN's generator and discriminator) stay
 attached together. One that stepped since it attached and holds the ``force_eager`` stance for a sampled step
 its model has not run in yet is said in a warning, where that stance changes how anything runs (something is
 compiled, or either model is): a loop that stopped there looks the same as one about to run it. (One attached
@@ -34,6 +35,7 @@ from typing import TYPE_CHECKING
 
 from precprof import _compat
 from precprof._notice import notice
+from precprof.capture import unsaved
 from precprof.capture.model_facts import compiled_parts, model_class_name
 
 if TYPE_CHECKING:
@@ -118,6 +120,8 @@ def _detach(
 ) -> None:
     other.mark_incomplete(f"detached when another Profiler attached: {why}")
     other.detach()
+    # its summary says why, not "running": the run reads as stopped (every step it recorded is on disk now)
+    unsaved.say_detached(other, why)
     _detached_why[other] = f"it was detached at its step {other.current_step}: {why}. {fix}"
     notice(f"precprof: {named} was detached: {why}. {fix}")
 

@@ -73,19 +73,26 @@ def cause(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
-def _reason(prof: Any, exc: BaseException, at_exit: bool) -> str:
-    """The cause summary.json gives for ``prof``'s run, which ``exc`` stopped before it was saved."""
+def _reason(prof: Any, exc: BaseException | str, at_exit: bool) -> str:
+    """The cause summary.json gives for ``prof``'s run, which ``exc`` stopped before it was saved (a text: why
+    it was detached unsaved, ``say_detached``)."""
     last = prof.current_step - 1
     ended = f"after step {last} (the last step prof.step() ended)" if last >= prof._first_step else None
     when = ended or "before prof.step() ended a step"
     how = f"not caught, it ended the script {when}" if at_exit else f"raised {when}"
+    if isinstance(exc, str):
+        return _kept(prof, f"detached {when}: {exc}", at_exit)
+    return _kept(prof, f"{cause(exc)}; {how}, before the run was saved", at_exit)
+
+
+def _kept(prof: Any, head: str, at_exit: bool) -> str:
     sink = prof._recorded.sink
     error = getattr(sink, "error", None)
     kept = "the steps flushed to its stream up to it" if at_exit else "the steps recorded up to it"
     if error:  # (a full disk)
         kept = f"the steps its stream wrote before it stopped writing ({' '.join(str(error).split())})"
     run = rundir.shown(prof._owned_run.path)
-    return f"{cause(exc)}; {how}, before the run was saved: {kept} are kept, and `precprof report {run}` renders them"
+    return f"{head}: {kept} are kept, and `precprof report {run}` renders them"
 
 
 def _running_text(summary: dict[str, Any]) -> str | None:
@@ -110,7 +117,14 @@ def _rewrite(path: Path, old: str, new: str) -> bool:
     return True
 
 
-def say(prof: Any, exc: BaseException, at_exit: bool = False) -> None:
+def say_detached(prof: Any, why: str) -> None:
+    """``prof`` was detached unsaved, for ``why`` (another Profiler attached to its model; a callback's new
+    training on its run directory while its ``train()`` never ended): its summary.json says so where it still
+    says "running", so the run reads as stopped (``rundir.stopped_note``), not as still being written."""
+    say(prof, why)
+
+
+def say(prof: Any, exc: BaseException | str, at_exit: bool = False) -> None:
     """Write why ``prof``'s run stopped (``exc``) into its summary.json, where it still says "running" (a run
     it claimed, ``out``, that it never saved); nothing for another run."""
     run = getattr(prof, "_owned_run", None)
