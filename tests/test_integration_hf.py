@@ -6,6 +6,7 @@ import copy
 import importlib.util
 import io
 import json
+import re
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -909,6 +910,49 @@ def test_a_second_train_into_a_complete_run_is_refused_unless_asked_to_replace_i
     second = _logged_losses(again)
     assert second != pytest.approx(first, abs=1e-3)
     assert T.read_tables(out)["steps"][T.LOSS].tolist() == pytest.approx(second, abs=1e-4)
+
+
+@pytest.mark.parametrize("stop", [KeyboardInterrupt, ValueError])
+def test_a_cell_run_again_after_its_train_raised_takes_the_run_by_the_usual_rules(
+    tmp_path: Path, stop: type[BaseException]
+) -> None:
+    """The bare callback's ``train()`` stopped by Ctrl-C or an exception (the Trainer has no hook for it), the
+    notebook cell run again with a new model, Trainer and callback on the same ``out``: refused every time, even
+    with overwrite=True or resume=True, "a Profiler in this process is still writing this run directory (it is
+    attached) ... call that Profiler's detach() first", of a Profiler the user never made and could not reach,
+    and the run said "running" (tester t7). The earlier run is saved as stopped, saying why, and the new one
+    takes the directory as any run would: refused unless asked, replaced with overwrite=True."""
+    out = tmp_path / "run"
+
+    class Stop(TrainerCallback):  # type: ignore[misc]
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if state.global_step == 2:
+                raise stop()
+
+    def cell(*callbacks: Any, **kw: Any) -> Trainer:
+        cb = PrecprofCallback(out=out, sample_every=1, report=False, memory=False, **kw)
+        trainers.append(make_trainer(tmp_path, [cb, *callbacks]))
+        trainers[-1].train()
+        return trainers[-1]
+
+    trainers: list[Trainer] = []
+    with pytest.raises(stop):
+        cell(Stop())
+    assert str(T.read_summary(out)[T.SUMMARY_INCOMPLETE_REASON]).startswith("running (pid")
+    said = "is saved as incomplete: its train() did not end (an exception or Ctrl-C in the Trainer's loop"
+    with (
+        pytest.warns(UserWarning, match=re.escape(said)),
+        pytest.raises(RunDirError, match=r"already holds a precprof run \(incomplete\).* overwrite=True"),
+    ):
+        cell()
+    summary = T.read_summary(out)
+    assert summary[T.SUMMARY_STATUS] == T.STATUS_INCOMPLETE
+    assert str(summary[T.SUMMARY_INCOMPLETE_REASON]).startswith("its train() did not end")
+    assert T.read_tables(out)["steps"][T.STEP].tolist() == [0, 1]
+    assert not trainers[0].model._forward_hooks  # the old model trains on without precprof
+    cell(overwrite=True)
+    assert T.read_summary(out)[T.SUMMARY_STATUS] == T.STATUS_COMPLETE
+    assert T.read_tables(out)["steps"][T.STEP].tolist() == list(range(STEPS))
 
 
 def test_profile_trainer_on_a_trainer_with_a_callback_refuses_and_keeps_its_run(tmp_path: Path) -> None:

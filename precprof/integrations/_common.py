@@ -3,8 +3,12 @@
 A ``Session`` owns the Profiler, the summary it will write, and the end of the run: ``finish()`` detaches the
 hooks, writes the run directory (rank 0 under torch.distributed) and renders ``report.html`` when the report
 renderer is installed. A session that was started but never finished (a crash the framework gives no hook for)
-is finished as "incomplete" at interpreter exit (``atexit``) or when the next session of the same callback
-starts, whichever comes first.
+is finished as "incomplete" at interpreter exit (``atexit``) or when the next session of the same callback, or
+of another callback on the same ``out``, starts, whichever comes first. (The HF Trainer has no hook for an
+exception: a notebook cell whose ``train()`` raised or was interrupted, run again with a new model, Trainer and
+callback on the same ``out``, was refused every time, "a Profiler in this process is still writing this run
+directory (it is attached) ... call that Profiler's detach() first", of a Profiler out of the user's reach, and
+the run said "running" until the kernel restarted.)
 """
 
 from __future__ import annotations
@@ -13,7 +17,8 @@ import atexit
 import contextlib
 import inspect
 import time
-from collections.abc import Mapping
+import weakref
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, cast
 
@@ -73,6 +78,15 @@ def checked_own(caller: str, out: Any, report: Any) -> tuple[Path | None, bool]:
     return (Path(out) if out is not None else None), arguments.flag(caller, "report", report)
 
 
+# the session of this process that runs on each run directory (weak: a session no callback holds is nobody's)
+_running: weakref.WeakValueDictionary[Path, Session] = weakref.WeakValueDictionary()
+# why an earlier session on the same out is finished when a new one starts
+_NOT_ENDED = (
+    "its train() did not end (an exception or Ctrl-C in the Trainer's loop, which gives the callback no hook): "
+    "a new training started on the same out"
+)
+
+
 class Session:
     """One profiled training run driven by a framework's callbacks.
 
@@ -96,6 +110,13 @@ class Session:
         self.report_path: Path | None = None
         self._t0 = 0.0
         self._atexit_registered = False
+        # the callback's own hooks, removed when the session finishes (another session on its ``out`` finishes
+        # it where its train() never ended)
+        self.on_finish: Callable[[], None] | None = None
+
+    @property
+    def _key(self) -> Path:
+        return self.out.absolute()
 
     @property
     def active(self) -> bool:
@@ -113,6 +134,13 @@ class Session:
         """Attach a Profiler to ``model`` (the module whose forward runs: the inner one under DDP/FSDP1)."""
         if self.active:
             self.finish(T.STATUS_INCOMPLETE, "a new training run started before this one ended")
+        earlier = _running.get(self._key)
+        if earlier is not None and earlier is not self and earlier.active:
+            # the callback of a train() that raised (a notebook cell run again): its Profiler, attached to the
+            # old model and out of the user's reach, held the run directory; its run is saved as stopped, and
+            # this one takes the directory by the usual rules (overwrite=True, resume=True, else refused)
+            notice(f"precprof: the run in {self.out} is saved as incomplete: {_NOT_ENDED}")
+            earlier.finish(T.STATUS_INCOMPLETE, _NOT_ENDED)
         kwargs = dict(self.profiler_kwargs)
         if "reducer" not in kwargs and is_distributed():
             kwargs["reducer"] = RankReducer(wrapped=wrapped)
@@ -130,6 +158,7 @@ class Session:
         # attached first: a refused directory leaves no session to finish (its finish saved over that run)
         prof.attach()
         self.prof, self.run_dir, self.report_path = prof, None, None
+        _running[self._key] = self
         self.summary = dict(summary)
         self.summary.setdefault(T.SUMMARY_VERSIONS, software_versions())
         self._t0 = time.perf_counter()
@@ -170,6 +199,10 @@ class Session:
         prof, self.prof = self.prof, None
         if prof is None:
             return None
+        if _running.get(self._key) is self:
+            del _running[self._key]
+        if self.on_finish is not None:
+            self.on_finish()
         if self._atexit_registered:
             atexit.unregister(self._at_exit)
             self._atexit_registered = False

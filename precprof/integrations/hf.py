@@ -41,7 +41,8 @@ when they were given ``num_items_in_batch`` (already window-normalised), else th
 Crashes: ``TrainerCallback`` has no exception hook. ``profile_trainer(trainer, ...)`` wraps ``trainer.train()``
 in try/except and writes the run as "incomplete" with the exception before re-raising it — the reliable way.
 With the bare callback, an unfinished run is written as incomplete at interpreter exit (``atexit``: a script
-that dies with a traceback) or when the same callback's next ``train()`` starts (a notebook).
+that dies with a traceback) or when the same callback's next ``train()`` starts, or a new callback's on the same
+``out`` (a notebook cell run again: ``Session``).
 
 Resuming (``trainer.train(resume_from_checkpoint=...)``): the run starts at the checkpoint's ``global_step``,
 and continues the run ``out`` holds (``resume=True`` says so; ``resume=False`` replaces it). A training from step
@@ -337,6 +338,7 @@ class PrecprofCallback(TrainerCallback):  # type: ignore[misc]
                 # the Trainer's WandbCallback logs without step=: precprof's rows beside it, against their own axis
                 kwargs["wandb"] = beside_trainer(kwargs["wandb"])
             self._session = Session(out, kwargs, report=self.report)
+            self._session.on_finish = self._unhook
         self._session.out = out
         wrapped = getattr(trainer, "model_wrapped", None) if trainer is not None else None
         self._session.start(
@@ -374,12 +376,17 @@ class PrecprofCallback(TrainerCallback):  # type: ignore[misc]
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.finish()
 
-    def finish(self, status: str = T.STATUS_COMPLETE, reason: str | None = None) -> Path | None:
-        """End the run: remove the hooks and write the run directory and the report."""
+    def _unhook(self) -> None:
+        """Remove the callback's taps on the Trainer and its hook on the model (also when another callback's
+        session on the same ``out`` finishes this one's: ``Session.on_finish``)."""
         self._untap()
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+
+    def finish(self, status: str = T.STATUS_COMPLETE, reason: str | None = None) -> Path | None:
+        """End the run: remove the hooks and write the run directory and the report."""
+        self._unhook()
         if self._session is None:
             return None
         return self._session.finish(status, reason)
