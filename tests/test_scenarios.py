@@ -1100,6 +1100,10 @@ def test_j_clipping_before_unscale_is_found() -> None:
     assert 2.0**12 <= f.numbers["median_ratio"] < 2.0**13  # the histogram's lower edge: within [1, 2) x scale
     good = own_loop.scaler_loop(autocast=False, clip=True, unscale_first=True)
     assert "grad_norm_scaled" not in {f.code for f in good.recommend().findings}
+    # a scale that is no power of two is named as the run had it, not rounded to one it never had (2^10 for 1000)
+    odd = own_loop.scaler_loop(autocast=False, clip=True, unscale_first=False, init_scale=1000.0)
+    f = {f.code: f for f in odd.recommend().findings}["grad_norm_scaled"]
+    assert f.numbers["loss_scale"] == 1000.0 and "loss scale 1000 (2^9.97))" in f.message
 
 
 def test_k_manual_static_loss_scale_is_read_at_its_scale() -> None:

@@ -26,13 +26,19 @@ def _result(prof: precprof.Profiler, losses: list[float]) -> ProfiledRun:
 
 
 def scaler_loop(
-    *, autocast: bool, unscale_first: bool = True, clip: bool = False, steps: int = 4
+    *,
+    autocast: bool,
+    unscale_first: bool = True,
+    clip: bool = False,
+    steps: int = 4,
+    init_scale: float = 2.0**12,
 ) -> ProfiledRun:
-    """fp32 model with a GradScaler (init 2^12); bf16 autocast around the forward when ``autocast``; with
-    ``clip``, the gradient norm is clipped (before or after ``scaler.unscale_``) and handed to ``prof.step``."""
+    """fp32 model with a GradScaler (init ``init_scale``, 2^12); bf16 autocast around the forward when
+    ``autocast``; with ``clip``, the gradient norm is clipped (before or after ``scaler.unscale_``) and handed to
+    ``prof.step``."""
     model = _mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
     batches = regression_batches(8, seed=1)
     losses: list[float] = []
     prof = precprof.Profiler(model, optimizer=opt, scaler=scaler, sample_every=1, memory=False)

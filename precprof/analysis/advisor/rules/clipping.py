@@ -3,15 +3,13 @@ norm of the gradients."""
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pandas as pd
 
 from precprof import tables as T
 from precprof.analysis.advisor.evidence import _Plan, _rows_of_kinds, _Run
 from precprof.analysis.advisor.model import WARNING, Finding
-from precprof.analysis.advisor.text import _pct, _pow2
+from precprof.analysis.advisor.text import _loss_scale_said, _pct
 
 
 def _rule_scaled_clipping(run: _Run, plan: _Plan) -> None:
@@ -45,7 +43,9 @@ def _rule_scaled_clipping(run: _Run, plan: _Plan) -> None:
     share = float(scaled.mean())
     if share <= 0.5:
         return
-    scale = float(joined[T.LOSS_SCALE].median())
+    # a scale the run had (the upper middle one: a median of two averaged them into one it never had)
+    scales = sorted(joined[T.LOSS_SCALE].astype(float))
+    scale = scales[len(scales) // 2]
     plan.add(
         Finding(
             "grad_norm_scaled",
@@ -53,7 +53,7 @@ def _rule_scaled_clipping(run: _Run, plan: _Plan) -> None:
             "Gradient norm measured on still-scaled gradients",
             f"On {int(scaled.sum())} of {len(joined)} sampled steps ({_pct(share)}) the gradient norm handed to "
             f"precprof is about the loss scale times the norm of the weight gradients (median ratio "
-            f"{float(ratio.median()):.3g}, loss scale {_pow2(round(math.log2(scale)))}): it was computed "
+            f"{float(ratio.median()):.3g}, loss scale {_loss_scale_said(scale)}): it was computed "
             "before scaler.unscale_. Clipping at that norm (clip_grad_norm_ on scaled gradients) clips by a "
             "threshold the loss scale makes meaningless, and it changes whenever the scale does.",
             "Call scaler.unscale_(optimizer) before torch.nn.utils.clip_grad_norm_, and pass prof.step the norm "
