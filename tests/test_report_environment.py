@@ -546,3 +546,19 @@ def test_a_resumed_runs_memory_row_says_whose_counts_they_are() -> None:
         ": 0 of 0 in the attempt resumed at step 10; the earlier attempts' measurements are in the memory table"
     )
     assert environment.memory_setting(v).endswith(": 0 of 0")
+
+
+def test_a_resumed_runs_block_budget_row_says_whose_measurements_they_are() -> None:
+    """Tester t8: a resumed run's block what-if row said "this run's measured it on none" of the last attempt's
+    budget alone (a resumed attempt measures the what-if's cost anew; the earlier attempt had measured it)."""
+    v = {
+        "adaptive": True,
+        "groups": 9,
+        "group_sizes": [1],
+        "budget": 0.1,
+        "estimates": 0,
+        "estimates_to_widen": 3,
+    }
+    said = environment.block_setting(v, resumed=10)
+    assert "; the attempt resumed at step 10 measured it on none" in said and "this run's" not in said
+    assert "; this run's measured it on none" in environment.block_setting(v)

@@ -667,7 +667,8 @@ def capture_rows(
     if engines:
         rows.append(("statistics computed by", engines))
     if "block_formats" in capture:
-        rows.append(("block-format what-if", block_setting(capture["block_formats"])))
+        resumed = _int(_map(capture.get("stream")).get("resumed_from"))
+        rows.append(("block-format what-if", block_setting(capture["block_formats"], resumed)))
     if capture.get("scaler_from"):
         rows.append(
             (
@@ -985,8 +986,10 @@ def memory_setting(v: Mapping[str, Any], resumed: int | None = None) -> str:
     return text
 
 
-def block_setting(v: Any) -> str:
-    """The capture's ``block_formats`` setting in words (``capture.block_budget.BlockBudget.describe``)."""
+def block_setting(v: Any, resumed: int | None = None) -> str:
+    """The capture's ``block_formats`` setting in words (``capture.block_budget.BlockBudget.describe``);
+    ``resumed``: the step the last attempt of a resumed run began at (its budget measured the what-if's cost
+    anew: the groups' figures are that attempt's)."""
     if not isinstance(v, Mapping):
         return "on" if v else "off"
     n = int(v.get("groups") or 1)
@@ -1003,7 +1006,7 @@ def block_setting(v: Any) -> str:
     out = f"on, {turns}: as many groups as keep the what-if within {F.pct(float(v.get('budget') or 0))} of a sampled step"
     done, needed = _int(v.get("estimates")), _int(v.get("estimates_to_widen"))
     if done is not None and needed is not None and done < needed:  # one layer a group: no budget chose them
-        out = f"on, {turns}: {_unadapted(done, needed, float(v.get('budget') or 0))}"
+        out = f"on, {turns}: {_unadapted(done, needed, float(v.get('budget') or 0), resumed)}"
     cost = v.get("every_layer_cost")
     if isinstance(cost, (int, float)) and math.isfinite(cost):
         out += f" (every layer at once was measured to add {F.pct(float(cost))})"
@@ -1022,14 +1025,15 @@ def block_setting(v: Any) -> str:
     return out + _coverage(v)
 
 
-def _unadapted(done: int, needed: int, budget: float) -> str:
+def _unadapted(done: int, needed: int, budget: float, resumed: int | None = None) -> str:
     """Why the block budget's groups are still one layer each: it widens them only on ``needed`` estimates of
     the what-if's cost, and the run made ``done`` (it read "as many groups as keep the what-if within 10% of a
     sampled step (every layer at once was measured to add 4.67%)" beside 17 groups)."""
     made = "none" if not done else F.count(done)
+    whose = "this run's" if resumed is None else f"the attempt resumed at step {F.count(resumed)}"
     return (
         f"one layer a group, as the block budget ({F.pct(budget)} of a sampled step) starts, until "
-        f"{F.count(needed)} sampled steps have measured what the what-if costs; this run's measured it on {made}"
+        f"{F.count(needed)} sampled steps have measured what the what-if costs; {whose} measured it on {made}"
     )
 
 
