@@ -395,9 +395,8 @@ def _overhead(summary: Mapping[str, Any], tp: dict[str, Any]) -> str:
 def _time_of(capture: Mapping[str, Any]) -> str:
     """Whose time the sampler's figures are a share of: the run's, or its last attempt's where it was resumed
     (``capture.stream.resumed_from``)."""
-    stream = capture.get("stream")
-    resumed = stream.get("resumed_from") if isinstance(stream, Mapping) else None
-    if isinstance(resumed, int) and not isinstance(resumed, bool):
+    resumed = environment.resumed_from(capture)
+    if resumed is not None:
         return f"the time of the attempt resumed at step {F.count(resumed)}"
     return "the run's time"
 

@@ -154,6 +154,12 @@ def _model_changes(changes: Any, listed: int = 6) -> str:
     return "; ".join(said) + (" (recorded as the model was from then on)" if said else "")
 
 
+def resumed_from(capture: Mapping[str, Any]) -> int | None:
+    """The step the last attempt of a resumed run began at (``capture.stream.resumed_from``), None for a run of
+    one attempt: the capture's counts and the sampler's figures are that attempt's."""
+    return _int(_map(capture.get("stream")).get("resumed_from"))
+
+
 def _update_reads(sample: Any, optimizer: Mapping[str, Any], capture: Mapping[str, Any]) -> str:
     """What the weight-update sample read, or, when it read none, why: without an optimizer nothing is read
     around its step, so a run that could lose updates in bf16 weights is not told (its finding needs them);
@@ -163,7 +169,7 @@ def _update_reads(sample: Any, optimizer: Mapping[str, Any], capture: Mapping[st
     if _int(sample) and optimizer.get("class") and capture.get("updates_read_steps") == 0 and sampled:
         idle = _int(_map(_map(capture.get("loop_order")).get(T.LOOP_NOT_STEPPED)).get("steps")) or 0
         # (the capture's counts are the last attempt's: an earlier one's updates are in the tables)
-        resumed = _int(_map(capture.get("stream")).get("resumed_from"))
+        resumed = resumed_from(capture)
         whose = (
             f"none in the attempt resumed at step {F.count(resumed)} (the earlier attempts' updates read are in the "
             "tables)"
@@ -629,7 +635,7 @@ def capture_rows(
     every = _int(capture.get("sample_every", cfg.get("sample_every")))
     sampled, recorded = _int(capture.get("sampled_steps")), _int(capture.get("steps_recorded"))
     sampling = _map(capture.get("sampling"))
-    resumed = _int(_map(capture.get("stream")).get("resumed_from"))
+    resumed = resumed_from(capture)
     if sampling.get("mode") == "budget":
         rows.append(("steps sampled", sampling_text(sampling, sampled, recorded, resumed, tp)))
     elif every is not None:
@@ -667,7 +673,6 @@ def capture_rows(
     if engines:
         rows.append(("statistics computed by", engines))
     if "block_formats" in capture:
-        resumed = _int(_map(capture.get("stream")).get("resumed_from"))
         rows.append(("block-format what-if", block_setting(capture["block_formats"], resumed)))
     if capture.get("scaler_from"):
         rows.append(
@@ -737,7 +742,6 @@ def capture_rows(
     if stream_error:
         rows.append(("streaming to disk", f"stopped: {stream_error}"))
     if isinstance(capture.get("memory_steps"), Mapping):
-        resumed = _int(_map(capture.get("stream")).get("resumed_from"))
         rows.append(("memory measured on", memory_setting(capture["memory_steps"], resumed)))
     if capture.get("memory_error"):
         rows.append(("memory breakdown", f"failed: {capture['memory_error']}"))
