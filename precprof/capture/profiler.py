@@ -40,6 +40,7 @@ from precprof.capture.assembly import PartsAssembly
 from precprof.capture.block_budget import DEFAULT_SHARE, BlockDeal
 from precprof.capture.collect import Collector
 from precprof.capture.hooks import StepHooks
+from precprof.capture.landed import LandedValues
 from precprof.capture.loop_order import LoopOrder
 from precprof.capture.optimizer_switch import OptimizerSwitch
 from precprof.capture.plan import CapturePlan, ModuleFilter, block_formats_from_env
@@ -47,7 +48,7 @@ from precprof.capture.recorded import Recorded
 from precprof.capture.records import MAX_PENDING_STEPS, RowInfo, _ModuleSlot, _PendingStep, held_scalar
 from precprof.capture.reducer import mean_over_ranks
 from precprof.capture.results import ProfilerResults
-from precprof.capture.sampling import DEFAULT_BUDGET, LandedValues, Sampler
+from precprof.capture.sampling import DEFAULT_BUDGET, Sampler
 from precprof.capture.scaler import ScalerWatch, taken
 from precprof.capture.stance import SampledStance
 from precprof.capture.updates import UpdateSampler
