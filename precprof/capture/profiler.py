@@ -265,6 +265,9 @@ class Profiler(PartsAssembly, ProfilerResults, OptimizerSwitch):
         self._sample_reason = ""  # why the step in progress is sampled ("" when it is not)
         self._t_last = time.perf_counter()
         self._outside_s = 0.0  # this step's time in ``not_training`` blocks: not the step's
+        self._writer_wait_s = (
+            0.0  # the sampled step's wait for the stream's writer: precprof's, never a pause
+        )
         self._outside_depth = 0
         self._pending: list[_PendingStep] = []
 
@@ -500,7 +503,10 @@ class Profiler(PartsAssembly, ProfilerResults, OptimizerSwitch):
                 self._tracker, "schedule", None
             )  # (a step measuring memory: its own work, longer)
             measured = bool(schedule is not None and schedule.measuring)
-            self._sampler.observe(self._step, self._sample_reason, step_s, _compat.compiles(), measured)
+            waited, self._writer_wait_s = self._writer_wait_s, 0.0
+            self._sampler.observe(
+                self._step, self._sample_reason, step_s, _compat.compiles(), measured, waited
+            )
             if self._sampler.synchronized and self._sampler.budgeted and self._reducer is not None:
                 # every rank samples the same steps: the next one planned now, the latest of the ranks' plans
                 gap = torch.tensor([self._sampler.plan_gap()], dtype=torch.int64, device=self._device)
@@ -550,7 +556,8 @@ class Profiler(PartsAssembly, ProfilerResults, OptimizerSwitch):
         if timed is not None and self._recorded.new.step_rows:
             row = self._recorded.new.step_rows[-1]
             if row[T.STEP] == timed.step:
-                self._recorded.make_room()  # a wait for the stream's writer is the step's time too
+                # a wait for the stream's writer is the step's time too (and precprof's: never a pause)
+                self._writer_wait_s = self._recorded.make_room()
                 row[T.TIME_S] = time.perf_counter() - (self._t_last - timed.time_s)
         new = self._recorded.take()
         if self._dashboards is not None and self.is_writer:

@@ -118,10 +118,10 @@ class Recorded:
         held = self.sink.held() if self.sink is not None else []
         return sum(f.nbytes for f in (self.kept, self.new, *held))
 
-    def make_room(self) -> None:
-        """Wait until the stream takes the next flush at once (``StreamWriter.make_room``; no wait without one)."""
-        if self.sink is not None:
-            self.sink.make_room()
+    def make_room(self) -> float:
+        """Wait until the stream takes the next flush at once (``StreamWriter.make_room``; no wait without one);
+        the seconds waited."""
+        return self.sink.make_room() if self.sink is not None else 0.0
 
     def take(self) -> Flush:
         """The rows added since the last call: handed to the stream (or kept in memory); returned for the live

@@ -354,11 +354,18 @@ class Sampler:
         return min(math.fsum(kept) / len(kept), statistics.median(window[-LATEST:]))
 
     def observe(
-        self, step: int, reason: str, time_s: float, compiles: int | None = None, measured: bool = False
+        self,
+        step: int,
+        reason: str,
+        time_s: float,
+        compiles: int | None = None,
+        measured: bool = False,
+        waited_s: float = 0.0,
     ) -> bool:
         """A step ended after ``time_s`` seconds, sampled for ``reason`` ("" when it was not); ``compiles``:
         Dynamo's count of frames compiled so far (None when it is not loaded); ``measured``: a sampled step that
-        measured memory (its own work, longer: never a pause). Returns whether the step is left
+        measured memory (its own work, longer: never a pause); ``waited_s``: of its time, the wait for the
+        stream's writer (precprof's own: never a pause). Returns whether the step is left
         out as one Dynamo compiled in (``compiled_at``): its steps table row says so (``T.COMPILED``)."""
         compiled = compiles is not None and compiles != self._compiles
         if compiles is not None:
@@ -372,7 +379,7 @@ class Sampler:
             self._warmed_up = True
             return False
         if reason:
-            time_s -= 0.0 if measured else self._pause(step, time_s)
+            time_s -= 0.0 if measured else self._pause(step, time_s, waited_s)
             self.sampled_times.append(time_s)
             base = self._recent_base()
             if base is None:
@@ -401,14 +408,17 @@ class Sampler:
         self.steps_counted += 1
         return False
 
-    def _pause(self, step: int, time_s: float) -> float:
+    def _pause(self, step: int, time_s: float, waited_s: float = 0.0) -> float:
         """The time of sampled step ``step`` that is a pause, not the step's (0 where it holds none): over
         ``PAUSE_FACTOR`` times both the recent sampled steps' median (``PAUSE_HISTORY`` timed at least) and the
         unsampled steps' time (their trimmed mean, or the latest where slower: steps that just got slower make no
         pause), and ``PAUSE_MIN_S`` more: time outside training (a notebook's user between cells while attached).
         Its time beyond that median is left out of what the step added and of the run's time, and said
         (``paused_steps``, ``paused_count``, ``paused_s``): counted, a 3 s pause made 7% read 72%, and a budgeted
-        run sampled nothing until its time caught up. A step that measured memory is never one (``observe``)."""
+        run sampled nothing until its time caught up. A step that measured memory is never one (``observe``), nor
+        its wait for the stream's writer (``waited_s``, precprof's own: taken for a pause, a run whose writer fell
+        behind read 81% where its steps took 99% more), judged on the step's time without it."""
+        time_s -= waited_s
         if len(self.sampled_times) < PAUSE_HISTORY or not self._unsampled:
             return 0.0
         base = self._recent_base()

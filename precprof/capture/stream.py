@@ -152,19 +152,22 @@ class StreamWriter:
                     pass
             self._wait_for_room()
 
-    def make_room(self) -> None:
+    def make_room(self) -> float:
         """Wait until ``put`` finds room at once (the writer took what waited), or the writer is closed: the
         Profiler waits here before it stamps a sampled step's time, so that the steps table's ``time_s`` holds
-        the wait, as the step did (a step that waited 27 ms for a writer behind had read 2.4 ms there)."""
+        the wait, as the step did (a step that waited 27 ms for a writer behind had read 2.4 ms there). Returns
+        the seconds waited (0.0 without a wait): precprof's own time, never a pause of the loop's."""
         if not (self._thread.is_alive() and len(self._queue.queue) >= self._queue.maxsize):
-            return
+            return 0.0
         t0 = time.perf_counter()  # the writer is behind the training: the step's wait, for the summary
         while self._thread.is_alive() and len(self._queue.queue) >= self._queue.maxsize:
             self._wait_for_room()
-        self.waited_s += time.perf_counter() - t0
+        waited = time.perf_counter() - t0
+        self.waited_s += waited
         self.waits += 1
         if self._niceness is None:
             self._niceness = self._read_niceness()
+        return waited
 
     def timing(self) -> dict[str, Any]:
         """What the stream cost the training's thread, for the summary: ``waited_s``, the seconds sampled steps
