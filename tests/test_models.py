@@ -287,6 +287,45 @@ def test_an_encoder_s_causal_lm_head_that_sees_ahead_is_refused() -> None:
 
 
 @needs_hf
+def test_an_encoder_head_refused_says_it_in_precprofs_one_line_only() -> None:
+    """Tester t4: ``precprof train -m hf:bert`` without is_decoder printed transformers' "If you want to use
+    `BertLMHeadModel` as a standalone, add `is_decoder=True.`" twice (the size check's build, then the model's)
+    before precprof's own line, which says it with the option to pass. Only precprof's line now, whatever handler
+    shows transformers' lines; the filter is gone after the build (the line shows where the user builds the
+    model)."""
+    import logging
+
+    from transformers import BertConfig, BertLMHeadModel
+
+    from precprof.models.hf import SAID_BY_PRECPROF
+
+    class Seen(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lines: list[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.lines.append(record.getMessage())
+
+    args = {
+        "num_hidden_layers": "1",
+        "hidden_size": "32",
+        "num_attention_heads": "2",
+        "intermediate_size": "64",
+    }
+    seen, hf_root = Seen(), logging.getLogger("transformers")
+    hf_root.addHandler(seen)
+    try:
+        with pytest.raises(UserError, match=r"-a is_decoder=true makes it causal"):
+            build_model("hf:bert", args, vocab_size=256, seq_len=16)
+        assert not [line for line in seen.lines if SAID_BY_PRECPROF in line], seen.lines
+        BertLMHeadModel(BertConfig(vocab_size=256, **{k: int(v) for k, v in args.items()}))  # the user's own
+        assert [line for line in seen.lines if SAID_BY_PRECPROF in line], seen.lines
+    finally:
+        hf_root.removeHandler(seen)
+
+
+@needs_hf
 def test_a_hf_model_too_big_is_told_sizes_that_build(monkeypatch: pytest.MonkeyPatch) -> None:
     """hf:llama's default config is 7B parameters: the refusal gives --model-arg settings, and the model they
     name builds, with the parameter count the message gives."""

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+import logging
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -22,10 +24,42 @@ def _config_field(config: Any, name: str) -> str | None:
     return private if not name.startswith("_") and hasattr(config, private) else None
 
 
+# what an encoder's causal-LM head (BertLMHeadModel, RobertaForCausalLM, ...) logs when built without is_decoder,
+# once per build (the size check's build on the meta device, then the model): precprof's own check says it, as the
+# option to pass (-a is_decoder=true), in its one line (``_from_config``)
+SAID_BY_PRECPROF = "as a standalone, add `is_decoder=True"
+
+
+class _DropSaid(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return SAID_BY_PRECPROF not in record.getMessage()
+
+
+@contextlib.contextmanager
+def _without_lines_precprof_says() -> Iterator[None]:
+    """transformers' handlers (and the root's, for a user who made its loggers propagate) drop the lines in
+    ``SAID_BY_PRECPROF`` while precprof builds the model; every other line shows as before."""
+    try:  # transformers sets its handler up at its first logger's creation (here, if none was yet)
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.get_logger("transformers")
+    except ImportError:  # (the build's own import says it)
+        pass
+    drop = _DropSaid()
+    handlers = [*logging.getLogger("transformers").handlers, *logging.getLogger().handlers]
+    for h in handlers:
+        h.addFilter(drop)
+    try:
+        yield
+    finally:
+        for h in handlers:
+            h.removeFilter(drop)
+
+
 def _build_hf(model_type: str, args: Mapping[str, Any], seq_len: int) -> BuiltModel:
     """``hf:<model_type>`` built from its config with ``args``; the first build imports transformers' modeling
     code, and with it torchao, whose import logs lines about itself (``precprof._quiet_imports``)."""
-    with quiet_imports():
+    with quiet_imports(), _without_lines_precprof_says():
         return _from_config(model_type, args, seq_len)
 
 
