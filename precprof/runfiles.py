@@ -97,6 +97,21 @@ LOOP_NOT_FOLLOWED = "optimizer_not_followed"
 # No update is read in them; its entry lists them as ``LOOP_NOT_FOLLOWED``'s does. Said by no warning at the
 # step (a loop that skips the optimizer on a bad batch has a few): the advisor judges (``steps_without_update``)
 LOOP_NOT_STEPPED = "optimizer_not_stepped"
+# capture.loop_order's kind of a sampled step in which the one optimizer the Profiler follows (or each of them)
+# stepped more than once (``prof.step()`` at a logging interval): its rows hold several steps. Its entry has
+# ``most``, the most steps of one optimizer in a sampled step
+LOOP_SEVERAL_STEPS = "several_optimizer_steps"
+# capture.loop_order's kind of a sampled step in which, of several optimizers the Profiler follows, one stepped
+# more than once and another once (a WGAN's critic, n_critic steps per generator step, README's pattern): no
+# fault, said by no warning. Its entry names the optimizers that stepped several times (``optimizers``: "optimizer
+# 0 (Adam: D.0, D.2)", by place in the list the Profiler was given and the modules it updates) and ``most``
+LOOP_CRITIC_STEPS = "several_steps_of_one_optimizer"
+# summary.json's capture.step_passes: the passes of a sampled step over the run, what makes one layer's rows hold
+# several calls (``capture/loop_order.py``): ``model_forwards`` ({"least", "most"} of the model's own training
+# forwards a sampled step; 0 where the loop calls parts of the model itself, a GAN's G and D in a ModuleDict) and
+# ``closures`` (the classes of the optimizers given a closure, LBFGS, which runs its forward and backward
+# several times an optimizer step)
+SUMMARY_STEP_PASSES = "step_passes"
 
 
 def sample_every_setting(cfg: Mapping[str, Any], n: str = "N") -> str:

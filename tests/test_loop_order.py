@@ -120,12 +120,68 @@ def test_prof_step_every_third_optimizer_step_is_said() -> None:
 
     prof, said = _run(loop, sample_every=1)
     assert said == [
-        "precprof: sampled step 0 holds 3 steps of SGD: its rows add them up (each layer's calls, the weight "
-        f"updates); {ONCE_PER_STEP}"
+        "precprof: sampled step 0 holds 3 steps of SGD: its rows add them up (each layer's activation calls and "
+        "their gradients, the weight updates; each weight-gradient row is the gradient of its optimizer's first "
+        f"step); {ONCE_PER_STEP}"
     ]
     assert prof.summary()["loop_order"] == {
         "several_optimizer_steps": {"first_step": 0, "steps": 4, "at": [0, 1, 2, 3], "most": 3}
     }
+
+
+def test_a_critic_stepping_twice_per_generator_step_is_no_fault() -> None:
+    """A WGAN's critic: of the two optimizers the Profiler follows, the critic's steps twice per ``prof.step()``
+    and the generator's once, as the README documents. It was warned of as a loop fault ("holds 2 steps of Adam:
+    its rows add them up ...; call prof.step() once per optimizer step") and the report said to fix it, and what
+    the rows hold was wrong: D's weight-gradient rows are its first critic step's (calls 1), not added up (tester
+    t2). Now no warning; the summary names the critic's optimizer by its place and the modules it updates, and
+    the report says what the rows hold, with no fix. What it says is checked against the rows."""
+    from precprof.report.environment import loop_order_text
+
+    torch.manual_seed(0)
+    G = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 6))
+    D = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
+    gan = nn.ModuleDict({"G": G, "D": D})
+    oD, oG = torch.optim.Adam(D.parameters(), 1e-3), torch.optim.Adam(G.parameters(), 1e-3)
+    prof = precprof.Profiler(gan, optimizer=[oD, oG], sample_every=1, memory=False, block_formats=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with prof:
+            for _ in range(3):
+                for _ in range(2):  # n_critic = 2
+                    fake = G(torch.randn(4, 4)).detach()
+                    loss_d = D(fake).mean() - D(torch.randn(4, 6)).mean()
+                    oD.zero_grad()
+                    loss_d.backward()
+                    oD.step()
+                loss_g = -D(G(torch.randn(4, 4))).mean()
+                oG.zero_grad()
+                loss_g.backward()
+                oG.step()
+                prof.step()
+    order = prof.summary()["loop_order"]
+    assert order == {
+        T.LOOP_CRITIC_STEPS: {
+            "first_step": 0,
+            "steps": 3,
+            "at": [0, 1, 2],
+            "most": 2,
+            "optimizers": ["optimizer 0 (Adam: D.0, D.2)"],
+        }
+    }
+    said = loop_order_text(order)
+    assert said.startswith("optimizer 0 (Adam: D.0, D.2) stepped up to 2 times in each of 3 sampled steps")
+    assert "fix" not in said and "prof.step()" not in said
+    assert "each weight-gradient row its first step's gradient" in said
+    layers = prof.tables()["layers"]
+    d0 = layers[(layers[T.MODULE] == "D.0") & (layers[T.PARAM] == "weight")]
+    assert d0.groupby(T.TENSOR)[T.CALLS].max().to_dict() == {
+        T.WEIGHT: 1,
+        T.WEIGHT_GRAD: 1,
+        T.WEIGHT_UPDATE: 2,
+    }
+    acts = layers[(layers[T.MODULE] == "D.0") & (layers[T.TENSOR] == T.ACTIVATION)]
+    assert acts[T.CALLS].tolist() == [5, 5, 5]  # 2 forwards a critic step, twice, and the generator's
 
 
 def test_prof_step_called_twice_after_one_optimizer_step_is_said() -> None:

@@ -196,6 +196,8 @@ class GradientReads:
         wrapped = after_closure(args, kwargs, after_closure_ran)
         if wrapped is None:
             grads()
+        else:
+            self.loop.closure_given(optimizer)
         if self.updates is not None:
             self.updates.before_step(k, optimizer)
             self.updates.carry.before(optimizer)
@@ -256,6 +258,18 @@ class GradientReads:
         if self.updates is not None:
             self.updates.carry.after(optimizer)
         return None
+
+    def modules_of(self, optimizer: Any) -> list[str]:
+        """The captured modules whose parameters ``optimizer`` updates, in the capture's order (a critic's
+        optimizer named by what it trains, ``capture/loop_order.py``)."""
+        rows, owner = self._grad_row_of, self._grad_owner
+        slots = {
+            id(slot): slot
+            for g in getattr(optimizer, "param_groups", ())
+            for p in g["params"]
+            if (slot := owner.get(rows.get(id(p), -1))) is not None
+        }
+        return [s.name for s in sorted(slots.values(), key=lambda s: s.activation)]
 
     def _keep_given(self, optimizer: Any) -> None:
         """The rows read of ``optimizer``'s gradients kept as they are from now on in this step: what it was given."""

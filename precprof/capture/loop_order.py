@@ -39,7 +39,9 @@ from precprof.capture.trainable import TrainedSeen
 
 # what can go wrong, as the summary names it (``capture.loop_order``)
 UNFOLLOWED = T.LOOP_NOT_FOLLOWED  # an optimizer the Profiler does not follow stepped the model's parameters
-SEVERAL = "several_optimizer_steps"  # one of the optimizers it follows stepped more than once in the step
+SEVERAL = T.LOOP_SEVERAL_STEPS  # the optimizer it follows (each of them) stepped more than once in the step
+# of several it follows, one stepped more than once and another once (a WGAN's critic): no fault, not warned of
+CRITIC = T.LOOP_CRITIC_STEPS
 EMPTY = "empty_step"  # no forward, backward or optimizer step at all
 BEFORE_FORWARD = T.LOOP_BEFORE_FORWARD  # an optimizer stepped before the step's forward
 # weight gradients read and no optimizer step (a micro-batch's step): counted, not warned of (``T.LOOP_NOT_STEPPED``)
@@ -53,7 +55,14 @@ _FIX = {
     EMPTY: ONCE_PER_STEP,
     BEFORE_FORWARD: ONCE_PER_STEP,
     NOT_STEPPED: ONCE_PER_STEP,
+    CRITIC: "",
 }
+# what the rows of a step of several optimizer steps hold (the warning's and the report's words)
+SEVERAL_ROWS = (
+    "each layer's activation calls and their gradients, the weight updates; each weight-gradient row is the "
+    "gradient of its optimizer's first step"
+)
+LISTED = 4  # the modules named of an optimizer that stepped several times
 
 
 class LoopOrder:
@@ -65,6 +74,11 @@ class LoopOrder:
         self.active = False  # a sampled step's hooks are acting
         self._followed: set[int] = set()  # the ids of the optimizers the Profiler follows
         self._followed_names: str | None = None
+        self._place: dict[int, int] = {}  # optimizer id -> its place in the list the Profiler was given
+        # the passes of the sampled steps (the summary's ``capture.step_passes``): the model's own training forwards
+        # a step, least and most, and the classes of the followed optimizers given a closure
+        self._forwards_seen: tuple[int, int] | None = None  # (least, most)
+        self._closures: set[str] = set()
         self._params: Mapping[int, Any] = {}  # the ids of the model's trained parameters
         # which parameters trained on the sampled steps (a layer unfrozen mid-run)
         self.trained = TrainedSeen()
@@ -76,6 +90,10 @@ class LoopOrder:
         """A sampled step begins."""
         self.active = True
         self._steps_of: dict[int, int] = {}  # optimizer id -> its steps in this step
+        self._stepped: dict[
+            int, Any
+        ] = {}  # optimizer id -> the optimizer (this step's, named if it steps again)
+        self._forwards = 0  # the model's own training forwards (``model_forward``)
         self._before_forward = False
         # optimizer id -> class, of the optimizers not followed that stepped the model's parameters
         self._unfollowed: dict[int, str] = {}
@@ -91,6 +109,7 @@ class LoopOrder:
         """Hooks on every optimizer's step (torch's global ones), for a sampled step's hooks to remove with theirs;
         none when the Profiler follows no optimizer (then it reads no update, and asks for none)."""
         self._followed = {id(o) for o in followed}
+        self._place = {id(o): k for k, o in enumerate(followed)}
         self._followed_names = optimizer_class(list(followed))
         self._params = params
         if not followed:
@@ -104,6 +123,14 @@ class LoopOrder:
         """A followed optimizer's step begins (its own pre-hook)."""
         self._inside += 1
 
+    def model_forward(self) -> None:
+        """A training forward of the model itself begins (its outermost call, with grad, no evaluation)."""
+        self._forwards += 1
+
+    def closure_given(self, optimizer: Any) -> None:
+        """A followed optimizer's step was given a closure (LBFGS, Lightning's automatic optimization)."""
+        self._closures.add(type(optimizer).__name__)
+
     def followed_stepped(self, optimizer: Any, after_forward: bool, applied: bool = True) -> None:
         """A followed optimizer stepped (its own post-hook); ``after_forward``: the step's forward had run;
         ``applied``: one of its parameters had a gradient (none: a skipped batch's step, which updated nothing and
@@ -112,6 +139,7 @@ class LoopOrder:
         self._followed_steps += 1
         key = id(optimizer)
         self._steps_of[key] = self._steps_of.get(key, 0) + 1
+        self._stepped[key] = optimizer
         self._before_forward = self._before_forward or (applied and not after_forward)
 
     def followed_now(self, optimizers: Sequence[Any]) -> None:
@@ -148,11 +176,16 @@ class LoopOrder:
             self.trained.note(step, hooks)
             if self._steps_of:
                 self.held.note(hooks)
+        seen, n = self._forwards_seen, self._forwards
+        self._forwards_seen = (min(seen[0], n), max(seen[1], n)) if seen is not None else (n, n)
         most = max(self._steps_of.values(), default=0)
         faults: dict[str, dict[str, Any]] = {}
         if self._unfollowed:
             faults[UNFOLLOWED] = {"optimizers": sorted(set(self._unfollowed.values()))}
-        if most > 1:
+        if most > 1 and min(self._steps_of.values()) == 1:  # a critic's steps beside its generator's one
+            several = [self._stepped[k] for k, n in self._steps_of.items() if n > 1]
+            faults[CRITIC] = {"most": most, "optimizers": [self._named(o, hooks) for o in several]}
+        elif most > 1:
             faults[SEVERAL] = {"most": most}
         if self._before_forward:
             faults[BEFORE_FORWARD] = {}
@@ -168,14 +201,25 @@ class LoopOrder:
             faults[NOT_STEPPED] = {}
         for kind, facts in faults.items():
             self._count(kind, step, facts)
+        self._stepped = {}
+
+    def _named(self, optimizer: Any, hooks: Any) -> str:
+        """A followed optimizer in words: its place in the list the Profiler was given, its class and the modules
+        whose parameters it updates ("optimizer 0 (Adam: D.0, D.2)")."""
+        modules: list[str] = hooks.modules_of(optimizer) if hooks is not None else []
+        shown = ", ".join(modules[:LISTED]) + (
+            f" and {len(modules) - LISTED} more" if len(modules) > LISTED else ""
+        )
+        what = type(optimizer).__name__ + (f": {shown}" if shown else "")
+        return f"optimizer {self._place.get(id(optimizer), 0)} ({what})"
 
     def _count(self, kind: str, step: int, facts: dict[str, Any]) -> None:
         entry = self.seen.get(kind)
         if entry is None:
             self.seen[kind] = {"first_step": step, "steps": 1, "at": [step], **facts}
-            if (
-                kind != NOT_STEPPED
-            ):  # (a loop that skips a bad batch's optimizer step has a few: the advisor judges)
+            # (a loop that skips a bad batch's optimizer step has a few: the advisor judges; a critic's steps are
+            # no fault)
+            if kind not in (NOT_STEPPED, CRITIC):
                 notice(f"precprof: {self._said(kind, step, facts)}; {_FIX[kind]}")  # (inside prof.step())
             return
         entry["steps"] += 1
@@ -198,7 +242,7 @@ class LoopOrder:
         if kind == SEVERAL:
             return (
                 f"sampled step {step} holds {facts['most']} steps of {followed}: its rows add them up "
-                "(each layer's calls, the weight updates)"
+                f"({SEVERAL_ROWS})"
             )
         if kind == BEFORE_FORWARD:
             return (
@@ -209,8 +253,19 @@ class LoopOrder:
 
     def trained_summary(self, model: Any) -> dict[str, Any]:
         """For summary.json's ``capture``: which parameters trained, where that changed during the run
-        (``TrainedSeen.summary``), and those no optimizer the Profiler follows held (``HeldSeen.summary``)."""
-        return {**self.trained.summary(model), **self.held.summary()}
+        (``TrainedSeen.summary``), those no optimizer the Profiler follows held (``HeldSeen.summary``), and the
+        sampled steps' passes (``passes``)."""
+        return {**self.trained.summary(model), **self.held.summary(), T.SUMMARY_STEP_PASSES: self.passes()}
+
+    def passes(self) -> dict[str, Any]:
+        """For summary.json's ``capture.step_passes``: the model's own training forwards a sampled step (least and
+        most; 0 where the loop calls parts of the model itself), and the classes of the followed optimizers given
+        a closure, which runs the forward and backward several times an optimizer step (LBFGS)."""
+        seen = self._forwards_seen
+        return {
+            "model_forwards": {"least": seen[0], "most": seen[1]} if seen is not None else None,
+            "closures": sorted(self._closures),
+        }
 
     def summary(self) -> dict[str, dict[str, Any]]:
         """For summary.json's ``capture.loop_order``: per kind seen, the first sampled step, how many had it and

@@ -28,6 +28,7 @@ from torch import nn
 from precprof import _compat
 from precprof import stats as st
 from precprof.capture.attempts import AttemptWatch, calls_running
+from precprof.capture.loop_order import LoopOrder
 from precprof.capture.plan import CapturePlan
 from precprof.capture.records import RowTable, _iter_tensors, _ModuleSlot
 
@@ -86,6 +87,7 @@ class TrainingForward:
     _hookset: _compat.HookSet  # the modules' and parameters' hooks (``StepHooks``)
     _grad_rows: list[int]
     _attempts: AttemptWatch
+    loop: LoopOrder
     _model_inputs: set[int]
     _clear_outputs: Callable[[], None]  # ``StepHooks._clear_outputs``
     stepped_no_optimizer: Callable[[], bool]  # ``GradientReads.stepped_no_optimizer``
@@ -146,6 +148,7 @@ class TrainingForward:
             )  # (as ``_not_read``)
             if self.installed and self._root_grad and not evaluation and _compat.backward_pass_id() is None:
                 self._attempts.forward_begins()  # (after an attempt that raised: what it read is forgotten)
+                self.loop.model_forward()  # (the step's passes: ``capture.step_passes``)
         if not self._root_grad or self._outside:
             return
         if self._step_mode is None:

@@ -49,7 +49,7 @@ _CAPTURE_SAID = _keys(
     "gemm_inputs model_inputs modules_without_forward optimizer optimizer_changes updates_from updates_read_steps "
     "model_changes "
     "distributed eval_forwards_ignored checkpointed_forwards weight_grads_unread_steps weight_grads_unread_modules "
-    "self_call_forwards_unread scaler_from output_head mixed_precision_asked_as"
+    "self_call_forwards_unread scaler_from output_head mixed_precision_asked_as step_passes"
 )
 _HARDWARE_SAID = _keys(
     "device name compute_capability bf16_supported bf16_native fp16_native fp16_tensor_cores tf32_supported "
@@ -802,10 +802,19 @@ _LOOP_FAULTS = {
         "those of the optimizers it was given",
         "call prof.use_optimizer(new_opt) once the loop makes a new optimizer",
     ),
-    "several_optimizer_steps": (
-        "{steps} held up to {most} optimizer steps each: their rows add them up (each layer's calls, the weight "
-        "updates) and their time is theirs together",
+    T.LOOP_SEVERAL_STEPS: (
+        "{steps} held up to {most} optimizer steps each: their rows add them up (each layer's activation calls "
+        "and their gradients, the weight updates; each weight-gradient row is the gradient of its optimizer's "
+        "first step there) and their time is theirs together",
         _ONCE_PER_STEP,
+    ),
+    # no fault: a WGAN's critic, as the README has it (``capture/loop_order.py``)
+    T.LOOP_CRITIC_STEPS: (
+        "{optimizers} stepped up to {most} times in each of {steps}, beside another optimizer's one step (a "
+        "critic's steps per generator step): the rows of the modules it updates hold its steps, the activation "
+        "calls and their gradients and the weight updates added up, each weight-gradient row its first step's "
+        "gradient",
+        "",
     ),
     "optimizer_before_forward": (
         "the optimizer stepped before the model's forward on {steps}: each weight-update row there is the step "
