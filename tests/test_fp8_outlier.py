@@ -254,6 +254,119 @@ class _Shared(nn.Module):
         return self.head(h)
 
 
+def _mlp(i: int, o: int) -> nn.Sequential:
+    return nn.Sequential(nn.Linear(i, 32), nn.Tanh(), nn.Linear(32, o))
+
+
+def _loop_of_several_passes(kind: str) -> precprof.Profiler:
+    """Two steps of a loop of one micro-batch on one rank whose layers are read in several calls a step, none
+    called twice in one forward: LBFGS's closure evaluated 4 times (``lbfgs``); a GAN whose loop calls D on real
+    and generated data, and backpropagates G's graph twice (``gan``: retain_graph=True); a WGAN whose critic steps
+    twice per ``prof.step()`` (``critic``); and, as a contrast, gradient accumulation over 2 micro-batches of a
+    loop that calls a part of the model itself (``parts accumulated``: a LightningModule's training_step)."""
+    torch.manual_seed(0)
+    if kind == "lbfgs":
+        model = _mlp(16, 1)
+        opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4)
+        x, y = torch.randn(64, 16), torch.randn(64, 1)
+        with precprof.Profiler(model, optimizer=opt, sample_every=1, memory=False) as prof:
+            for _ in range(2):
+
+                def closure() -> torch.Tensor:
+                    opt.zero_grad()
+                    loss = (model(x) - y).square().mean()
+                    loss.backward()
+                    return loss
+
+                opt.step(closure)  # type: ignore[no-untyped-call]
+                prof.step()
+        return prof
+    if kind == "parts accumulated":
+        net = _mlp(16, 1)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        with precprof.Profiler(
+            nn.ModuleDict({"net": net}), optimizer=opt, sample_every=1, memory=False
+        ) as prof:
+            for _ in range(2):
+                for _ in range(2):
+                    net(torch.randn(16, 16)).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+                prof.step()
+        return prof
+    G, D = _mlp(8, 16), _mlp(16, 1)
+    oD, oG = torch.optim.Adam(D.parameters(), 1e-3), torch.optim.Adam(G.parameters(), 1e-3)
+    with precprof.Profiler(
+        nn.ModuleDict({"G": G, "D": D}), optimizer=[oD, oG], sample_every=1, memory=False
+    ) as prof:
+        for _ in range(2):
+            for _ in range(2 if kind == "critic" else 1):
+                fake = G(torch.randn(16, 8))
+                oD.zero_grad()
+                D(torch.randn(16, 16)).square().mean().backward()
+                D(fake.detach()).mean().backward()
+                oD.step()
+            out = D(fake)
+            oG.zero_grad()
+            out.mean().backward(retain_graph=kind == "gan")
+            if kind == "gan":
+                out.square().mean().backward()
+            oG.step()
+            prof.step()
+    return prof
+
+
+@pytest.mark.parametrize("kind", ["lbfgs", "gan", "critic", "parts accumulated"])
+def test_the_layers_read_in_several_calls_a_step_are_said_by_the_loops_passes(kind: str) -> None:
+    """One micro-batch on one rank, no layer called twice in a forward. The finding blamed "gradient
+    accumulation's micro-batches, a layer called more than once, several ranks" and told LBFGS's run to profile
+    "one micro-batch each (a run without gradient accumulation, on one rank)", which it is; said D of a GAN was
+    "called more than once in a forward (up to 2 calls a step per backward)", though the loop calls it once a
+    forward, three times a step; and for the critic "up to 7 calls a step per backward", D's calls over the
+    critic's first step's weight gradient alone (tester t2). Now the cause is the loop's, from what the capture
+    saw of its passes (``capture.step_passes``, ``capture.loop_order``), and no remedy the run follows."""
+    prof = _loop_of_several_passes(kind)
+    f = precprof.recommend(prof, hardware="h100").finding("fp8_eligibility")
+    assert f is not None
+    assert "could not judge an input or output gradient of" in f.message
+    if kind == "parts accumulated":  # the remedy stays where it applies
+        assert (
+            "(gradient accumulation's micro-batches (a forward and backward each))" in f.message
+            and f.message.count(
+                ". To judge them, profile a few steps of one micro-batch each (a run without gradient "
+                "accumulation)."
+            )
+            == 1
+        ), f.message
+        return
+    for wrong in ("micro-batch", "on one rank", "called more than once", "per backward", "several ranks"):
+        assert wrong not in f.message, (wrong, f.message)
+    if kind == "lbfgs":
+        assert prof.summary()[T.SUMMARY_STEP_PASSES] == {
+            "model_forwards": {"least": 4, "most": 4},
+            "closures": ["LBFGS"],
+        }
+        assert (
+            '2 layer(s) ("0", "2"): it was read in several calls a step (LBFGS\'s closure, evaluated up to 4 '
+            "times an optimizer step, each evaluation a forward and backward)" in f.message
+        )
+    elif kind == "gan":
+        assert prof.summary()[T.SUMMARY_STEP_PASSES]["model_forwards"] == {"least": 0, "most": 0}
+        assert (
+            "(G.0, G.2: more output gradients than calls a step: several backward passes through one forward "
+            "(retain_graph=True, several losses backpropagated one by one); D.0, D.2: called in several forwards "
+            "a step by the loop, which calls parts of the model itself" in f.message
+        )
+        assert "G.0, G.2, D.0, D.2 cannot be judged per call in a run of this loop" in f.message
+    else:
+        assert (
+            "(optimizer 0 (Adam: D.0, D.2) stepping up to 2 times a prof.step() (a critic's steps beside the "
+            "other optimizer's one)" in f.message
+        )
+    if kind != "gan":
+        assert f.message.count("They cannot be judged per call in a run of this loop") == 1
+
+
 @pytest.mark.parametrize(("micro_batches", "frozen"), [(1, False), (2, False), (1, True)])
 def test_a_layer_called_several_times_a_forward_is_not_sent_to_a_run_of_one_micro_batch(
     micro_batches: int, frozen: bool
@@ -280,20 +393,21 @@ def test_a_layer_called_several_times_a_forward_is_not_sent_to_a_run_of_one_micr
             prof.step()
     f = precprof.recommend(prof, hardware="h100").finding("fp8_eligibility")
     assert f is not None
-    said = "called more than once a step cannot be judged per call, in this run or any other"
+    said = "called more than once in a forward cannot be judged per call, in this run or any other"
     if micro_batches == 1:
         assert "The outlier check could not judge an input or output gradient of 1 layer(s) (fc)" in f.message
-        assert "(a layer called more than once in a forward: up to 3 calls a step per backward)" in f.message
+        assert "(called more than once in a forward: up to 3 calls a forward)" in f.message
         assert f". A layer {said}" in f.message
         assert "a run without gradient accumulation" not in f.message, f.message
         return
     assert "could not judge an input or output gradient of 2 layer(s) (fc, head)" in f.message, f.message
     assert (
-        f"fc is called more than once in a forward (up to 3 calls a step per backward): a layer {said}"
-        in (f.message)
+        "(fc: called more than once in a forward: up to 3 calls a forward; head: gradient accumulation's "
+        "micro-batches (2 forwards a step))" in f.message
     )
+    assert f". A layer {said}" in f.message
     assert (
-        "To judge head, profile a few steps of one micro-batch each (a run without gradient accumulation"
+        ". To judge head, profile a few steps of one micro-batch each (a run without gradient accumulation)."
         in f.message
     )
 

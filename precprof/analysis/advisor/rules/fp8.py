@@ -571,15 +571,201 @@ def _called_again(run: _Run, layers: list[str]) -> dict[str, int]:
     return {m: math.ceil(float(per[m])) for m in layers if m in per.index}
 
 
+def _calls_by_step(run: _Run, kind: str) -> pd.Series:
+    """A kind's calls per (module, step), summed over its rows (a layer's tensors, the ranks' as recorded)."""
+    rows = run.kind(kind)
+    return rows.groupby([T.texts(rows[T.MODULE]).to_numpy(), rows[T.STEP].to_numpy()])[T.CALLS].sum()
+
+
+# why a layer's input or output gradient was read in several calls a step (``_pass_causes``), and whether a run
+# of the same model can read it in one: the causes the remedy "one micro-batch each, on one rank" undoes
+_SPLIT = ("micro", "ranks")
+
+
+def _pass_causes(run: _Run, layers: list[str]) -> tuple[dict[str, str], dict[str, str]] | None:
+    """Why each of ``layers`` was read in several calls a step, from what the capture saw of the sampled steps'
+    passes (``capture.step_passes``, ``capture.loop_order``; None for a run recorded without them: the words
+    then are ``_pooled_words_before``'s): per layer a cause, and per cause its words. A layer with more calls on a
+    step than the model's own forwards there (times the ranks) is called more than once in a forward
+    (``shared``: ALBERT's blocks); otherwise the loop's: an optimizer stepping several times a ``prof.step()``
+    (``several``, a fault the loop order says; ``critic``, a WGAN's critic), an optimizer's closure evaluated
+    several times a step (``closure``: LBFGS), parts of the model the loop calls itself, several times a step
+    (``parts``: a GAN's discriminator on real and generated data, where the model's own forward never runs),
+    more output gradients than calls (``retain``: backward passes through one forward, ``retain_graph=True``),
+    gradient accumulation's micro-batches (``micro``: the model's forwards a step) and the ranks (``ranks``),
+    ``other`` where none of these shows."""
+    capture = run.summary.get(T.SUMMARY_CAPTURE) or {}
+    passes = capture.get(T.SUMMARY_STEP_PASSES) if isinstance(capture, Mapping) else None
+    if not isinstance(passes, Mapping):
+        return None
+    order = capture.get("loop_order") or {}
+    order = order if isinstance(order, Mapping) else {}
+    dist = capture.get("distributed") or {}
+    world = dist.get("world_size") if isinstance(dist, Mapping) else None
+    world = world if isinstance(world, int) and world > 1 else 1
+    forwards = passes.get("model_forwards") or {}
+    most_forwards = forwards.get("most") if isinstance(forwards, Mapping) else None
+    most_forwards = most_forwards if isinstance(most_forwards, int) else 0
+    closures = [str(c) for c in passes.get("closures") or []]
+    calls, grads = _calls_by_step(run, T.ACTIVATION), _calls_by_step(run, T.ACTIVATION_GRAD)
+    words: dict[str, str] = {}
+    if most_forwards > 0:
+        per_forward = calls / (most_forwards * world)
+        shared = per_forward[per_forward > 1].groupby(level=0).max()
+        if len(shared):
+            words["shared"] = (
+                f"called more than once in a forward: up to {math.ceil(float(shared.max()))} calls a forward"
+            )
+    else:
+        shared = pd.Series(dtype=float)
+    several, critic = order.get(T.LOOP_SEVERAL_STEPS), order.get(T.LOOP_CRITIC_STEPS)
+    if isinstance(several, Mapping):
+        loop = "several"
+        words[loop] = (
+            f"up to {several.get('most')} optimizer steps a prof.step(), each with forwards and backward passes "
+            "of its own"
+        )
+    elif isinstance(critic, Mapping):
+        loop = "critic"
+        named = " and ".join(str(o) for o in critic.get("optimizers") or []) or "an optimizer"
+        words[loop] = (
+            f"{named} stepping up to {critic.get('most')} times a prof.step() (a critic's steps beside the "
+            "other optimizer's one), each step with forwards and backward passes of its own"
+        )
+    elif closures:
+        loop = "closure"
+        evaluations = f"up to {most_forwards} times" if most_forwards > 1 else "several times"
+        words[loop] = (
+            f"{' and '.join(closures)}'s closure, evaluated {evaluations} an optimizer step, each evaluation a "
+            "forward and backward"
+        )
+    else:
+        loop = ""
+    both = pd.concat([calls.rename("calls"), grads.rename("grads")], axis=1).fillna(0)
+    retained = set(both.index[both["grads"] > both["calls"]].get_level_values(0))
+    # where the model's own forward never ran (a LightningModule's training_step calling its parts): a layer with
+    # as many calls on a step as the step's backward passes into the weights (the most weight-gradient calls of a
+    # parameter) is read once a micro-batch; with more (a GAN's discriminator, also called for the generator's
+    # loss after its own optimizer stepped), the loop calls it in forwards of other kinds
+    weights = run.kind(T.WEIGHT_GRAD)
+    backwards = (
+        weights.groupby(
+            [
+                T.texts(weights[T.MODULE]).to_numpy(),
+                T.texts(weights[T.PARAM]).to_numpy(),
+                weights[T.STEP].to_numpy(),
+            ]
+        )[T.CALLS]
+        .sum()
+        .groupby(level=2)
+        .max()
+    )
+    own = both.reset_index(names=["module", "step"])
+    own["backwards"] = own["step"].map(backwards).fillna(0)
+    each_rank = set(calls.index[calls > world].get_level_values(0))  # several calls on a rank
+    parts = set(own.loc[(own["calls"] > 1) & (own["calls"] != own["backwards"]), "module"])
+    cause: dict[str, str] = {}
+    for m in layers:
+        if m in shared.index:
+            cause[m] = "shared"
+        elif loop:
+            cause[m] = loop
+        elif most_forwards == 0 and m in parts:
+            cause[m] = "parts"
+            words["parts"] = (
+                "called in several forwards a step by the loop, which calls parts of the model itself, not the "
+                "model's own forward, more often than its backward passes into the weights before their optimizer "
+                "stepped (a GAN's discriminator on real and generated data, and for the generator's loss)"
+            )
+        elif m in retained:
+            cause[m] = "retain"
+            words["retain"] = (
+                "more output gradients than calls a step: several backward passes through one forward "
+                "(retain_graph=True, several losses backpropagated one by one)"
+            )
+        elif most_forwards > 1 or world > 1 or (most_forwards == 0 and m in each_rank):
+            micro = most_forwards > 1 or (most_forwards == 0 and m in each_rank)
+            cause[m] = "micro" if micro else "ranks"
+            forwards = (
+                f"{most_forwards} forwards a step" if most_forwards > 1 else "a forward and backward each"
+            )
+            split = ([f"gradient accumulation's micro-batches ({forwards})"] if micro else []) + (
+                [f"{world} ranks"] if world > 1 else []
+            )
+            words[cause[m]] = ", ".join(split)
+            # the run that reads one call a step (the remedy's words)
+            words["remedy"] = ", ".join(
+                (["a run without gradient accumulation"] if micro else [])
+                + (["on one rank"] if world > 1 else [])
+            )
+        else:
+            cause[m] = "other"
+            words["other"] = "several passes through the layer a step"
+    return cause, words
+
+
 def _pooled_words(run: _Run, by_key: Mapping[Any, Mapping[str, Any]], linear: list[str], limit: int) -> str:
     """The words saying that the outlier check did not judge an input or output gradient of the layers whose
-    tensors were read in several calls a step (``_pooled``), and how to judge them ("" when there are none): a
-    run of one micro-batch on one rank, but for the layers called more than once in a forward
-    (``_called_again``), which no run judges per call (it told a shared layer's run, one micro-batch on one rank
-    already, to profile one)."""
+    tensors were read in several calls a step (``_pooled``), why (``_pass_causes``), and how to judge them ("" when
+    there are none): a run of one micro-batch on one rank where gradient accumulation or the ranks made the calls;
+    one ``prof.step()`` per optimizer step where the loop called it every few; where the loop itself makes them (a
+    closure, a critic's steps, parts of the model called several times, backward passes through one forward) or
+    the layer is called more than once in a forward, no run of that loop or model reads one call a step: said, with
+    no remedy the run already follows."""
     layers = _pooled_layers(by_key, linear)
     if not layers:
         return ""
+    found = _pass_causes(run, layers)
+    if found is None:
+        return _pooled_words_before(run, by_key, linear, layers, limit)
+    cause, words = found
+    most, where = _most(by_key, linear, "pushed_pooled")
+    groups: dict[str, list[str]] = {}
+    for m in layers:
+        groups.setdefault(cause[m], []).append(m)
+    why = (
+        words[next(iter(groups))]
+        if len(groups) == 1
+        else "; ".join(f"{_listing(ms, limit)}: {words[c]}" for c, ms in groups.items())
+    )
+    said = (
+        f". The outlier check could not judge an input or output gradient of {len(layers)} layer(s) "
+        f"({_listing(layers, limit)}): it was read in several calls a step ({why}), which the run records "
+        "together, as one histogram under the largest value of them all, where a tensorwise recipe scales each "
+        "call on its own; read at the largest call's scale, their largest values "
+        f"push {_pct(most)} ({where}), which does not decide"
+    )
+    alone = len(groups) == 1
+    if "shared" in groups:
+        said += (
+            ". A layer called more than once in a forward cannot be judged per call, in this run or any other: "
+            "the run records its calls of a step together"
+        )
+    split = [m for m in layers if cause[m] in _SPLIT]
+    if split:
+        said += (
+            f". To judge {'them' if alone else _listing(split, limit)}, profile a few steps of one micro-batch "
+            f"each ({words['remedy']})"
+        )
+    if "several" in groups:
+        said += (
+            f". To judge {'them' if alone else _listing(groups['several'], limit)}, call prof.step() once per "
+            "optimizer step"
+        )
+    loops = [m for m in layers if cause[m] in ("critic", "closure", "parts", "retain", "other")]
+    if loops:
+        said += (
+            f". {'They' if alone else _listing(loops, limit)} cannot be judged per call in a run of "
+            "this loop: the run records a layer's calls of a step together"
+        )
+    return said
+
+
+def _pooled_words_before(
+    run: _Run, by_key: Mapping[Any, Mapping[str, Any]], linear: list[str], layers: list[str], limit: int
+) -> str:
+    """``_pooled_words`` of a run recorded without the sampled steps' passes (``capture.step_passes``, by an older
+    precprof): the causes told apart by the weight gradients' calls (``_called_again``) alone."""
     most, where = _most(by_key, linear, "pushed_pooled")
     again = _called_again(run, layers)
     rest = [m for m in layers if m not in again]
