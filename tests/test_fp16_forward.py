@@ -476,3 +476,77 @@ def test_a_recurrent_layer_cpu_autocast_left_in_fp32_is_said_for_the_target(tmp_
         f"Not in float16: the matmul layer rnn (GRU), holding {100 * share:.3g}% of the matmul layers' weight values, "
         "ran in float32 (autocast on cpu left it there)." in verdict
     )
+
+
+class _Stream(nn.Module):
+    """Six 64-wide Linear blocks on a residual stream that grows 10x a block (h = 10 (h + relu(block(h)))), then
+    a head: under fp16 autocast the stream, added between the modules, passes 65504 before blocks.5."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(32, 64)
+        self.blocks = nn.ModuleList([nn.Linear(64, 64) for _ in range(6)])
+        self.out = nn.Linear(64, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = 10.0 * (h + torch.relu(block(h)))
+        return self.out(h)
+
+
+def _stream_run(keep: list[str]) -> tuple[ProfiledRun, list[torch.Tensor]]:
+    """_Stream trained 2 steps under fp16 autocast with ``keep`` outside it; and what blocks.5 read (the test's
+    own hook)."""
+    torch.manual_seed(0)
+    model = _Stream()
+    read: list[torch.Tensor] = []
+    model.blocks[5].register_forward_hook(lambda mod, args, y: read.append(args[0].detach()))
+    run = train_profiled(
+        model,
+        regression_batches(32, batch=32),
+        nn.functional.mse_loss,
+        precision="fp16",
+        loss_scale=2.0**16,
+        keep_fp32=keep,
+        steps=2,
+        lr=1e-12,
+    )
+    return run, read
+
+
+@pytest.mark.usefixtures("block_formats_on")  # the stream's rows between the modules have rows of their own
+def test_a_kept_layer_behind_an_overflowing_residual_stream_is_never_said_to_fit_fp16() -> None:
+    """Tester t1: the advice on a residual stream that overflows fp16 between modules went round in a circle.
+    Kept blocks.5 and the head in fp32: blocks.4 under autocast hands the stream fp16, which is inf before
+    blocks.5 reads it, and every value after is nan; both were said to "fit fp16" (their largest value n/a, a nan
+    compares False with the limit) and to run under autocast again. Kept blocks.4 as well: the forward pass is
+    finite, but blocks.4 was released, its own values fitting fp16, and followed, the stream is fp16 and inf
+    again. Now a layer with nan/inf or no largest value is never released, one whose input the code between
+    modules made inf in fp16 stays kept, said to be beyond keep_fp32's reach, with bf16 named; and a layer whose
+    fp32 output hands that code the fp32 it needs stays kept. The advice, followed, is the run it was given by."""
+    run, read = _stream_run(["blocks.5", "out"])
+    assert all(x.dtype == torch.float16 and bool(torch.isinf(x).any()) for x in read)
+    rec = run.recommend("t4")
+    f = rec.finding("fp16_kept_fp32")
+    assert (
+        f is not None and "fits fp16" not in f.message and "may run under fp16 autocast again" not in f.remedy
+    )
+    assert f.numbers["released"] == 0 and f.modules == ["blocks.5", "out"]
+    assert "blocks.5: its input blocks.5:input, made between modules" in f.message
+    assert "keeping blocks.5 in fp32 cannot make that input finite" in f.message
+    assert "out: " in f.message and "what fp16 would make of its values is not measured" in f.message
+    assert "the inf in blocks.5:input is made between modules" in f.remedy and "use bf16" in f.remedy
+    keep = rec.fp16_keep_fp32
+    assert keep == ["blocks.4", "blocks.5", "out"]
+
+    followed, read = _stream_run(keep)
+    assert all(x.dtype == torch.float32 and bool(x.isfinite().all()) for x in read)
+    assert max(float(x.abs().max()) for x in read) > 65504  # fp32 only because blocks.4 hands it fp32
+    again = followed.recommend("t4")
+    g = again.finding("fp16_kept_fp32")
+    assert (
+        g is not None and g.numbers["released"] == 0 and "may run under fp16 autocast again" not in g.remedy
+    )
+    assert "blocks.4: its own values fit fp16" in g.message and "this one could hand it fp16" in g.message
+    assert again.fp16_keep_fp32 == keep

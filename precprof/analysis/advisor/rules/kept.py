@@ -5,13 +5,14 @@ that kept the run finite."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import pandas as pd
 
 from precprof import tables as T
-from precprof.analysis.advisor.evidence import _dtype_has, _nonzero, _Plan, _Run, _share
+from precprof.analysis.advisor.evidence import _dtype_has, _model_inputs, _nonzero, _Plan, _Run, _share
 from precprof.analysis.advisor.model import INFO, Finding
 from precprof.analysis.advisor.text import _g, _listing, _name, _pct
 from precprof.formats import FP16
@@ -36,6 +37,13 @@ def _outside_autocast(acts: pd.DataFrame) -> set[str]:
         _dtype_has(acts, "float16") | _dtype_has(acts, "bfloat16") | _dtype_has(acts, "float64")
     ).to_numpy()
     return set(names[~low]) - set(names[low])
+
+
+def _made_between(run: _Run, acts: pd.DataFrame) -> pd.Series:
+    """The activation rows made between modules: a matmul layer's own input row (no module the capture watches
+    made it: code in the forward such as a residual add) that is not the model's own input."""
+    names = acts[T.MODULE].astype(str)
+    return names.str.endswith(T.INPUT_SUFFIX) & ~names.isin(_model_inputs(run))
 
 
 @dataclass(frozen=True)
@@ -72,21 +80,46 @@ class _Kept:
 
     needed: dict[str, str]  # layer -> why fp16 still needs it in fp32, in words
     released: dict[str, str]  # layer -> its values, which fit fp16
+    between: list[str]  # the kept layers' input rows made between modules that held inf in fp16
 
 
-def _judge(run: _Run, layer: str, rows: pd.DataFrame, input_known: bool) -> tuple[bool, str]:
+def _judge(
+    run: _Run, layer: str, rows: pd.DataFrame, input_known: bool, stream: pd.DataFrame, later: pd.DataFrame
+) -> tuple[bool, str]:
     """Whether fp16 needs ``layer`` in fp32, and why in words, from the ``rows`` it would cast or compute in fp16
     under autocast (its input and output, fp32 here): a value beyond 65504 or within the headroom of it, or more
     than ``fp16_activation_underflow_warn`` of the nonzero values of its input or of its output flushed
-    (``_cast_flush``), as the forward rules judge them."""
+    (``_cast_flush``), as the forward rules judge them. ``stream``: its own input row where code between modules
+    made it in fp16 and it holds inf (the layer, kept, reads an input fp16 overflowed before it); ``later``: the
+    input rows made between modules after the layer, in fp32, beyond fp16's range. Never released on values
+    not measured: nan/inf in its rows, or no largest value; nor while ``later`` is not empty, as an fp32 output
+    is what hands that code fp32, and released, the layer could hand it fp16."""
     cfg = run.cfg
     limit = FP16.max / 2.0**cfg.fp16_activation_headroom_log2
     over = int(rows[T.overflow_col("fp16")].sum())
     amax = float(pd.to_numeric(rows[T.ABSMAX], errors="coerce").max()) if not rows.empty else 0.0
+    nan, inf = int(rows[T.NAN].sum()), int(rows[T.INF].sum())
     flushed = _cast_flush(rows, layer, [m for m in set(rows[T.MODULE]) if m != layer])
     which = _listing(run.sort(set(rows[T.MODULE])), 4)
+    if not stream.empty:
+        return True, (
+            f"{_name(layer)}: its input {_name(str(stream[T.MODULE].iloc[0]))}, made between modules (by code in "
+            f"the forward, such as a residual add, that no module's keep_fp32 covers), held "
+            f"{int(stream[T.INF].sum()):,} inf in fp16 before {_name(layer)} read it: keeping {_name(layer)} in fp32 "
+            "cannot make that input finite"
+        )
     if over:
         return True, f"{_name(layer)}: {over:,} values an fp16 cast makes inf in {which} (max |x| {_g(amax)})"
+    if nan or inf:
+        return True, (
+            f"{_name(layer)}: {nan:,} nan and {inf:,} inf in {which}: what fp16 would make of its values is not "
+            "measured"
+        )
+    if rows.empty or math.isnan(amax):
+        return (
+            True,
+            f"{_name(layer)}: no largest value recorded in {which or 'its rows'}: whether it fits fp16 is not known",
+        )
     if amax >= limit:
         return (
             True,
@@ -98,6 +131,14 @@ def _judge(run: _Run, layer: str, rows: pd.DataFrame, input_known: bool) -> tupl
         return True, (
             f"{_name(layer)}: its input was not recorded (no captured module made it, and block formats were "
             "off), so whether it fits fp16 is not known"
+        )
+    if not later.empty:
+        far = float(pd.to_numeric(later[T.ABSMAX], errors="coerce").max())
+        return True, (
+            f"{_name(layer)}: its own values fit fp16 (max |x| {_g(amax)} in {which}), but "
+            f"{_listing(run.sort(set(later[T.MODULE])), 4)}, made after it between modules (by code in the forward, "
+            f"such as a residual add), held values beyond fp16 (max |x| {_g(far)}) in fp32: that code runs in fp32 "
+            "only while the layers kept in fp32 before it hand it fp32, and released, this one could hand it fp16"
         )
     if not flushed.worst:
         return False, f"{_name(layer)}: max |x| {_g(amax)} in {which}, none flushed: it fits fp16"
@@ -126,14 +167,25 @@ def kept_in_fp32(run: _Run, plan: _Plan) -> _Kept | None:
         return None
     outside = _outside_autocast(acts)
     names = set(T.texts(acts[T.MODULE]))
+    half = _dtype_has(acts, "float16")
+    made = _made_between(run, acts)
+    fp16_inf = made & half & (acts[T.INF] > 0)
+    limit = FP16.max / 2.0**run.cfg.fp16_activation_headroom_log2
+    absmax = pd.to_numeric(acts[T.ABSMAX], errors="coerce")
+    beyond = made & ~half & ((acts[T.overflow_col("fp16")] > 0) | (absmax >= limit))
+    rank = acts[T.MODULE].astype(str).map(lambda m: run.order.get(m, -1))
     needed: dict[str, str] = {}
     released: dict[str, str] = {}
+    between: list[str] = []
     for layer in [m for m in plan.matmul_layers if m in outside]:
         read = [layer + T.INPUT_SUFFIX, *inputs.get(layer, [])]
-        rows = acts[acts[T.MODULE].isin([layer, *read]) & ~_dtype_has(acts, "float16")]
-        need, why = _judge(run, layer, rows, any(r in names for r in read))
+        rows = acts[acts[T.MODULE].isin([layer, *read]) & ~half]
+        stream = acts[fp16_inf & (acts[T.MODULE] == layer + T.INPUT_SUFFIX)]
+        later = acts[beyond & (rank > run.order.get(layer, 1 << 30))]
+        need, why = _judge(run, layer, rows, any(r in names for r in read), stream, later)
         (needed if need else released)[layer] = why
-    return _Kept(needed, released) if needed or released else None
+        between += [str(m) for m in set(stream[T.MODULE])]
+    return _Kept(needed, released, run.sort(between)) if needed or released else None
 
 
 def _rule_kept_fp32(run: _Run, plan: _Plan) -> None:
@@ -157,6 +209,13 @@ def _rule_kept_fp32(run: _Run, plan: _Plan) -> None:
         remedy.append(
             f"{_listing(free, listed)} may run under fp16 autocast again: {'its' if len(free) == 1 else 'their'} "
             "values fit fp16"
+        )
+    if kept.between:
+        remedy.append(
+            f"the inf in {_listing(kept.between, listed)} is made between modules, by code in the forward that ran "
+            "in fp16 (a residual add or scale): no module's keep_fp32 covers that code, which runs in fp32 only "
+            "where a layer kept in fp32 before it hands it fp32; use bf16, whose range is fp32's, or run that code "
+            "in fp32"
         )
     one = len(need) + len(free) == 1
     remedy.append(
