@@ -1214,3 +1214,41 @@ def test_a_plan_of_no_evaluated_linear_layer_says_so(
     f = recommend(prof, hardware="b200").finding("block_format_plan")
     assert f is not None and "Each of the 0 linear layers" not in f.message
     assert "No linear layer was evaluated: none has block statistics to judge." in f.message
+
+
+def test_a_layer_whose_output_gradient_fp16_flushed_is_left_out_of_the_plan(block_formats_on: None) -> None:
+    """Tester t1: under fp16 autocast with a loss scaled far down, fp16 flushes every output gradient of the
+    layers to zero. The block what-if still planned NVFP4 for them, on an SQNR of inf (nothing lost of nothing),
+    beside fp8_eligibility's "every recorded value of its output gradient was zero: what FP8 does to it is not
+    measured". An all-zero operand is not measured now: the layer stays in bf16, said why."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
+    grads: list[torch.Tensor] = []
+
+    def keep_grad(mod: nn.Module, args: Any, y: torch.Tensor) -> None:
+        y.register_hook(lambda grad: grads.append(grad.detach()))
+
+    for layer in (model[0], model[2]):
+        layer.register_forward_hook(keep_grad)
+    g = torch.Generator().manual_seed(0)
+
+    def loss() -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.float16):
+            y = model(torch.randn(32, 64, generator=g))
+        return (y.float() ** 2).mean() * 2.0**-40
+
+    tables, summary = _profiled(model, loss)
+    assert grads and all(
+        x.dtype == torch.float16 and not bool(x.any()) for x in grads
+    )  # flushed, every value
+    rec = recommend(tables, hardware="b200", summary={T.SUMMARY_CAPTURE: summary})
+    by_module = {lb["module"]: lb for lb in rec.block_what_if["layers"]}
+    for m in ("0", "2"):
+        assert by_module[m]["choice"] == "bf16"
+        assert by_module[m]["why"] == (
+            "every value of its output gradient the what-if evaluated was zero: what the block formats do to it "
+            "is not measured"
+        )
+    by_code = {f.code: f for f in rec.findings}
+    assert "every recorded value of its output gradient was zero" in by_code["fp8_eligibility"].message
+    assert "NVFP4" not in by_code["block_format_plan"].message.split(" (")[0]

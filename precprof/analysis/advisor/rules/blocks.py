@@ -463,6 +463,17 @@ def tied_why(embedding: str) -> str:
     )
 
 
+def zero_operand(lb: LayerBlocks) -> str:
+    """The first operand of the layer whose every evaluated value was an exact zero, with no nan/inf ("" when
+    none): an output gradient fp16 flushed, a dead ReLU's output. Its SQNR of inf (nothing lost) measures nothing
+    of what a format does to the values the layer trains on, as FP8's eligibility says of such a gradient."""
+    for ops in lb.losses.values():
+        for o in ops:
+            if o.values > 0 and o.nonzero == 0 and o.sum_x2 == 0 and o.poisoned == 0:
+                return o.operand
+    return ""
+
+
 def decide(lb: LayerBlocks, cfg: AdvisorConfig, allowed: tuple[str, ...]) -> None:
     """Choose the layer's format among ``allowed`` plan names: NVFP4, else MXFP4, where FP4's bound holds on
     every operand (never for the output head); else MXFP8 where it loses nothing measurable; else bf16. Sets
@@ -472,6 +483,15 @@ def decide(lb: LayerBlocks, cfg: AdvisorConfig, allowed: tuple[str, ...]) -> Non
         return
     if lb.tied_to is not None:
         lb.choice, lb.why = "bf16", tied_why(lb.tied_to)
+        return
+    zero = zero_operand(lb)
+    if zero:
+        lb.choice, lb.why = (
+            "bf16",
+            (
+                f"every value of its {zero} the what-if evaluated was zero: what the block formats do to it is not measured"
+            ),
+        )
         return
     why: list[str] = []
     if lb.head and any(n in allowed for n in ("nvfp4", "mxfp4")):
