@@ -649,3 +649,52 @@ def test_the_verdict_box_says_when_layers_got_no_gradient(dead: bool, tmp_path: 
     assert (said in verdict) == dead
     assert ("the format above rests on the other layers' gradients" in verdict) == dead
     assert 'id="verdict-master-weights"' not in page  # (no weight held in bf16)
+
+
+def test_a_weight_gradient_the_fp16_gemm_flushed_is_said_to_be_fp16s(block_formats_on: None) -> None:
+    """Tester t1: under fp16 autocast a layer's output gradient held two nonzero values, 2^-24 each, and its input
+    none beyond 0.4: every product lies below 2^-25, and the weight-gradient GEMM, in fp16, rounds each entry to
+    zero. The finding said "what zeroed their weight gradients the run does not tell (a custom backward, a hook
+    that zeroed them)". It names fp16's flush now, with the bound it read from the run, and fp16's remedy."""
+    torch.manual_seed(0)
+    fc1 = nn.Linear(16, 8)
+    model = nn.Sequential()
+    model.add_module("fc1", fc1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    pick = torch.zeros(32, 8)
+    pick[3, 1] = pick[17, 5] = 2.0**-24  # the loss's gradient: fc1's output gradient, exact in fp16
+    grads: list[torch.Tensor] = []
+    fp32: list[int] = []
+    xs: list[torch.Tensor] = []
+
+    def keep_grad(mod: nn.Module, args: object, y: torch.Tensor) -> None:
+        y.register_hook(grads.append)
+
+    fc1.register_forward_hook(keep_grad)
+    prof = precprof.Profiler(model, optimizer=opt, sample_every=1, memory=False)
+    with prof:
+        for step in range(3):
+            x = (torch.rand(32, 16, generator=torch.Generator().manual_seed(step)) - 0.5) * 0.8
+            xs.append(x)
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = model(x)
+            loss = (out.float() * pick).sum()
+            loss.backward()
+            assert fc1.weight.grad is not None and not bool(fc1.weight.grad.any())  # fp16's GEMM: all zero
+            fp32.append(int((grads[-1].float().t() @ x != 0).sum()))  # the same GEMM in fp32
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            prof.step(loss=loss.detach())
+    assert all(g.dtype == torch.float16 and int((g != 0).sum()) == 2 for g in grads) and min(fp32) > 0
+    f = precprof.recommend(prof, hardware="t4", config=ALL).finding("no_gradient")
+    assert f is not None and f.modules == ["fc1"]
+    assert "custom backward" not in f.message and "a hook" not in f.message
+    bound = max(2 * 2.0**-24 * float(x.abs().max()) for x in xs)
+    assert (
+        f"The output gradient and the input of fc1 held nonzero values, but every entry of their weight gradient "
+        f"is at most {bound:.3g}" in f.message
+    )
+    assert (
+        "the weight-gradient GEMM, which fp16 autocast runs in fp16, holds such an entry as zero" in f.message
+    )
+    assert f.remedy.startswith("Scale the loss more, or train in bf16")

@@ -30,8 +30,8 @@ from precprof.analysis.advisor.evidence import (
 )
 from precprof.analysis.advisor.model import CRITICAL, WARNING, Finding
 from precprof.analysis.advisor.rules.fp8 import gemm_inputs
-from precprof.analysis.advisor.text import _listing, _name
-from precprof.formats import FP8_E5M2, NumberFormat
+from precprof.analysis.advisor.text import _g, _listing, _name
+from precprof.formats import FP8_E5M2, FP16, NumberFormat
 
 
 @dataclass(frozen=True)
@@ -268,6 +268,39 @@ def _fp16_only(run: _Run) -> set[str]:
     return set(names[is16]) - set(names[~is16])
 
 
+def _fp16_gemm_bound(run: _Run, m: str, sources: list[str]) -> float | None:
+    """The bound, over the sampled steps, on every entry of ``m``'s weight gradient, where it lies below fp16's
+    smallest subnormal (2^-24) on every step: an entry sums the products of its output gradient (as held, at the
+    loss scale) and its input, at most as many nonzero ones as its output gradient held nonzero values, each at
+    most the product of their largest values. Its weight-gradient GEMM under fp16 autocast computes in fp16, which
+    holds such an entry as 0 (below 2^-25) or 2^-24 and cannot hold the gradient. None where a step's bound
+    reaches 2^-24, or a step with a nonzero output gradient recorded no input."""
+    ag = run.kind(T.ACTIVATION_GRAD)
+    acts = run.kind(T.ACTIVATION)
+    grad = ag[T.texts(ag[T.MODULE]) == m]
+    read = acts[T.texts(acts[T.MODULE]).isin(sources)]
+    if grad.empty or read.empty:
+        return None
+    held = pd.to_numeric(grad[T.ABSMAX], errors="coerce") * pd.to_numeric(
+        grad[T.SCALE], errors="coerce"
+    ).fillna(1.0)
+    nonzero = (grad[T.NUMEL] - grad[T.ZEROS] - grad[T.NAN] - grad[T.INF]).clip(lower=0)
+    per = (
+        pd.DataFrame({T.STEP: grad[T.STEP], "held": held, "nonzero": nonzero})
+        .groupby(T.STEP)
+        .agg({"held": "max", "nonzero": "sum"})
+    )
+    x = pd.to_numeric(read[T.ABSMAX], errors="coerce").groupby(read[T.STEP]).max()
+    worst = 0.0
+    for step, row in per.iterrows():
+        if row["nonzero"] <= 0:
+            continue
+        if step not in x.index or not x[step] >= 0 or not row["held"] >= 0:
+            return None
+        worst = max(worst, float(row["nonzero"] * row["held"] * x[step]))
+    return worst if 0 < worst < FP16.smallest_subnormal else None
+
+
 def _dead_mask(run: _Run, m: str) -> bool:
     """Whether ``m`` writes zeros in backward where its forward dropped a value (a ReLU, a dropout) and its output
     was zero everywhere on every sampled step: every unit off, so it passed back nothing."""
@@ -386,6 +419,9 @@ class _Causes:
     unreached: list[str]  # no later module received a nonzero gradient
     no_tokens: list[str]  # called with no token on every sampled step (an expert the router sent none to)
     unknown: list[str]  # their output gradient and input both held nonzero values
+    # their output gradient (fp16) and input held nonzero values too small for any entry of the weight gradient
+    # to reach fp16's smallest subnormal, which the fp16 GEMM rounds to 0 -> the bound on those entries
+    fp16_gemm: dict[str, float] = field(default_factory=dict)
     # their output gradient held nonzero values, and the run does not record their input (an embedding's ids)
     unread: list[str] = field(default_factory=list)
     # embeddings that looked up only their padding_idx (their output zero everywhere, their output gradient not)
@@ -399,6 +435,7 @@ def _causes(run: _Run, dead: list[str], dims: dict[str, dict[str, int]]) -> _Cau
     grads = _output_grads(run)
     flushed = _fp8_flushed(run, grads)
     inputs, read = _zero_inputs(run, dead, dims)
+    sources = gemm_inputs(run, dead, dims)
     padding = _padding_indices(run)
     in16 = _fp16_only(run)
     zeros = _zero_params(run)
@@ -443,6 +480,8 @@ def _causes(run: _Run, dead: list[str], dims: dict[str, dict[str, int]]) -> _Cau
             c.zero_input.setdefault(tuple(inputs[m]), []).append(m)
         elif m in padding and _zero_output(run, m):
             c.padding[m] = padding[m]
+        elif m in read and m in in16 and (bound := _fp16_gemm_bound(run, m, sources.get(m, []))) is not None:
+            c.fp16_gemm[m] = bound
         elif m in read:
             c.unknown.append(m)
         else:
@@ -664,6 +703,15 @@ def _causes_said(run: _Run, c: _Causes) -> list[str]:
             f"it) while {its} output gradient held nonzero values, and torch passes the padding_idx row no "
             "gradient by construction"
         )
+    if c.fp16_gemm:
+        worst = max(c.fp16_gemm.values())
+        said.append(
+            f"the output gradient and the input of {_listing(run.sort(c.fp16_gemm), lim)} held nonzero values, but "
+            f"every entry of their weight gradient is at most {_g(worst)} (on a step, the output gradient's count of "
+            "nonzero values times its largest value, at the run's loss scale, times the input's largest), below "
+            f"fp16's smallest subnormal, 2^-24 ({_g(FP16.smallest_subnormal)}): the weight-gradient GEMM, which fp16 "
+            "autocast runs in fp16, holds such an entry as zero or 2^-24, and held every one of theirs as zero"
+        )
     if c.unknown:
         said.append(
             f"the output gradient and the input of {_listing(c.unknown, lim)} held nonzero values: what zeroed "
@@ -710,7 +758,7 @@ def _remedy(run: _Run, c: _Causes) -> str:
             f"{_fp8_kind(run, list(c.fp8))} exceeds torchao's floor ({formats.FP8_AMAX_FLOOR:g}); or train "
             f"{_listing(layers, run.cfg.max_listed_modules)} in bf16 (leave them out of {' or '.join(outs)})"
         )
-    if c.fp16:
+    if c.fp16 or c.fp16_gemm:
         parts.append("scale the loss more, or train in bf16, as fp16_gradient_underflow sizes it")
     idle = [s for s, state in c.zero_weight if state == "idle"]
     # (gates in the order of the first layer behind each, as ``c.zero_weight`` has them)
