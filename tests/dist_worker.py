@@ -146,6 +146,43 @@ def run_join(rank: int, out: Path) -> None:
 TRAIN_STEPS = 4
 
 
+# "rank0-only": how long rank 0's Profiler, attached on rank 0 alone, waits for rank 1's (60 s in a real run)
+ALONE_WAIT_S = 1.0
+
+
+def run_rank0_only(scenario: str, rank: int, out: Path) -> None:
+    """A Profiler attached on rank 0 alone (``if rank == 0: prof = Profiler(...)``, a script's "log on rank 0"
+    habit) under DDP: refused at attach, its fix in the line (it left rank 0 in precprof's all-reduce and rank 1 in
+    DDP's until the group's timeout); its message in ``OUT/rank0-only-rank0.said``. Then a Profiler on every rank,
+    attached twice (two ``with`` blocks, one sampled step each): each attach meets the other rank's, the refused
+    one counted as none; the steps it recorded in ``OUT/rank0-only-rank<rank>.steps``."""
+    import precprof
+    from precprof.capture import every_rank
+    from precprof.errors import UserError
+
+    model = _wrap(build_model(), "ddp")
+    opt = make_optimizer(model.parameters())
+    if rank == 0:
+        wait, every_rank.ATTACH_WAIT_S = every_rank.ATTACH_WAIT_S, ALONE_WAIT_S
+        try:
+            alone = precprof.Profiler(model, optimizer=opt, out=out / scenario)
+            alone.attach()
+            alone.detach()
+        except UserError as e:
+            (out / f"{scenario}-rank0.said").write_text(str(e))
+        finally:
+            every_rank.ATTACH_WAIT_S = wait
+    dist.barrier()  # (rank 1 attaches nothing before rank 0 was refused)
+    prof = precprof.Profiler(model, optimizer=opt, sample_every=1)
+    for step in range(2):
+        with prof:
+            x, y = batch(step, rank)
+            backward_and_step(nn.functional.mse_loss(model(x), y), opt, None)
+            opt.zero_grad(set_to_none=True)
+            prof.step(tokens=BATCH)
+    (out / f"{scenario}-rank{rank}.steps").write_text(str(prof.current_step))
+
+
 def run_train(
     scenario: str, rank: int, out: Path, model: list[str] | None = None, default_out: bool = False
 ) -> None:
@@ -340,6 +377,8 @@ def main(argv: list[str]) -> None:
                     run_train(scenario, info.rank, out)
                 elif scenario == "ddp-join":
                     run_join(info.rank, out)
+                elif scenario == "rank0-only":
+                    run_rank0_only(scenario, info.rank, out)
                 elif scenario == "cut":
                     run_cut(scenario, info.rank, out)
                 else:

@@ -46,6 +46,7 @@ SCENARIOS = ("ddp", "fsdp2", "fsdp2-bf16")
 TRAIN_SCENARIOS = ("train-ddp", "train-fsdp2")
 # run, not counted layer by layer against the one-process reference (each has tests of its own below)
 OTHER_SCENARIOS = ("fsdp1", "fsdp1-orig", "fsdp1-orig-scaled", "zero", "ddp-join")
+ALONE_SCENARIOS = ("rank0-only",)  # a Profiler on rank 0 alone, refused at attach: no run directory
 CUT_SCENARIOS = ("cut",)  # cut off before it saved: its first summary.json and its stream
 CLAIM_SCENARIOS = ("train-claim-fail",)  # rank 0 cannot create its run directory: every rank stops at once
 FAIL_SCENARIOS = ("train-fail",)  # rank 1 fails and leaves the group: last, the group is broken after it
@@ -60,7 +61,13 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     launcher importing torch) and two fresh interpreters cost 10 s of CPU more, for nothing the tests read."""
     out = tmp_path_factory.mktemp("dist")
     scenarios = ",".join(
-        SCENARIOS + TRAIN_SCENARIOS + OTHER_SCENARIOS + CUT_SCENARIOS + CLAIM_SCENARIOS + FAIL_SCENARIOS
+        SCENARIOS
+        + TRAIN_SCENARIOS
+        + OTHER_SCENARIOS
+        + ALONE_SCENARIOS
+        + CUT_SCENARIOS
+        + CLAIM_SCENARIOS
+        + FAIL_SCENARIOS
     )
     with socket.socket() as s:  # a free port for rank 0's store (as --standalone picks one)
         s.bind(("localhost", 0))
@@ -1042,6 +1049,21 @@ def test_the_run_of_a_rank_whose_peer_failed_gives_that_ranks_error(runs: Path) 
         f"precprof: error: {reason}; its traceback is in {shown / 'traceback.txt'}",
         f"precprof: training stopped: the partial run is in {shown} (1 finished step)",
     ]
+
+
+def test_a_profiler_attached_on_rank_0_alone_is_refused_with_its_fix(runs: Path) -> None:
+    """``if rank == 0: prof = Profiler(...)`` under DDP: rank 0 waited in precprof's all-reduce of step 0 and rank 1
+    in DDP's next collective until the group's timeout (gloo's default: 30 minutes), then gloo's "Timed out waiting
+    20000ms for recv" said nothing of the fix (tester t6). Rank 0's attach is refused once rank 1 has not attached
+    within the wait, in one line that says the fix; its run directory goes with it. A Profiler then attached on
+    every rank, twice, meets the other rank's each time and records both steps."""
+    said = (runs / "rank0-only-rank0.said").read_text()
+    assert said == (
+        f"rank 0 attached a Profiler but rank 1 did not within {W.ALONE_WAIT_S:g} s: attach it on every rank (or "
+        "pass reducer=None to profile this rank alone)"
+    )
+    assert not (runs / "rank0-only").exists()
+    assert [(runs / f"rank0-only-rank{r}.steps").read_text() for r in range(W.WORLD)] == ["2", "2"]
 
 
 def test_a_rank_0_that_cannot_create_the_run_directory_stops_every_rank(runs: Path) -> None:

@@ -13,7 +13,7 @@ from torch import nn
 from precprof import _compat, clipwatch
 from precprof import stats as st
 from precprof._notice import notice
-from precprof.capture import given
+from precprof.capture import every_rank, given
 from precprof.capture.block_budget import BlockDeal
 from precprof.capture.collect import Collector
 from precprof.capture.hooks import StepHooks
@@ -69,6 +69,8 @@ class PartsAssembly:
         plan = self._plan = CapturePlan.of(self.model, self.module_filter, self._block_formats, not replan)
         if not replan:
             self._reducer = self._resolve_reducer()
+            if isinstance(self._reducer, RankReducer):  # (before the run directory's stream opens)
+                every_rank.meet(self._reducer)
         self._sampler.synchronized = self._reducer is not None
         self._buffer = st.StatsBuffer(
             max(len(plan.rows), 1),

@@ -90,7 +90,8 @@ class Profiler(PartsAssembly, ProfilerResults, OptimizerSwitch):
             step (with ``out`` and ``resume``), so that its steps are numbered, and sampled, as the run's.
         reducer: how statistics combine across ranks. ``"auto"``: under an initialised torch.distributed
             process group of more than one rank, ``precprof.capture.reducer.RankReducer`` (counts and histograms
-            summed, absmax/absmin reduced, rank 0 writes); None: this process only.
+            summed, absmax/absmin reduced, rank 0 writes; every rank attaches one: one attached on some ranks
+            only is refused at attach, ``capture.every_rank``); None: this process only.
         loss_scale: a manual static loss scale, for loops that scale by hand (``(loss * 1024).backward()``,
             then divide the gradients): gradients are read at that scale and stored unscaled, as with a
             GradScaler. Not with ``scaler``.
