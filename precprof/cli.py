@@ -281,8 +281,14 @@ def train(
         if not _models_error(e) or traceback_wanted():
             raise  # precprof's own error, a built-in or Hugging Face model's: its traceback, to report
         failed = e.precprof_failure  # type: ignore[attr-defined]
-        _tell(f"precprof: error: {failed.text}; its traceback is in {failed.traceback}")
-        _tell(f"precprof: training stopped{_saved(e.precprof_run_dir)}")  # type: ignore[attr-defined]
+        _tell(f"precprof: error: {failed.text}; {failed.where()}")
+        if training.writes_run_dir():
+            _tell(f"precprof: training stopped{_saved(e.precprof_run_dir)}")  # type: ignore[attr-defined]
+        else:  # under torchrun, a rank whose model raised: rank 0 saves the run
+            _tell(
+                "precprof: this rank writes no run directory; rank 0 saves what it recorded to "
+                f"{e.precprof_run_dir}"  # type: ignore[attr-defined]
+            )
         for note in not_saved:
             _tell(f"precprof: error: {note}")
         raise typer.Exit(EXIT_MODEL_ERROR) from None

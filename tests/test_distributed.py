@@ -1031,24 +1031,48 @@ def test_the_run_of_a_rank_whose_peer_failed_gives_that_ranks_error(runs: Path) 
     RuntimeError in the backward pass of step 1: [.../gloo/transport/tcp/pair.cc:553] Connection closed by peer
     ...", a built-in model's run gloo's whole traceback), and rank 1's names the directory rank 0 wrote: without
     ``--out`` each rank named its own default one, by its own clock ("rank 0 saves what it recorded to
-    runs/...-105349" beside rank 0's runs/...-105348)."""
+    runs/...-105349" beside rank 0's runs/...-105348).
+
+    The error is the model's own (a factory's): rank 1 says it in the one line a single process says, with the
+    model's line, where it printed torch's 60-line traceback, and rank 0's line repeats that line; traceback.txt,
+    which "its traceback is in" named, held rank 0's gloo traceback alone, no line of the model's: it holds rank
+    1's traceback (kept in the store beside its line), then rank 0's (tester t6)."""
     (rdir,) = (runs / "train-fail" / "runs").iterdir()  # the default name, in the ranks' working directory
     summary = T.read_summary(rdir)
     assert summary[T.SUMMARY_STATUS] == T.STATUS_INCOMPLETE
     reason = summary[T.SUMMARY_INCOMPLETE_REASON]
+    worker = str(HERE / "dist_worker.py")
+    (line,) = [
+        i
+        for i, text in enumerate(Path(worker).read_text().splitlines(), 1)
+        if 'raise RuntimeError(f"injected' in text
+    ]
+    raised = (
+        f"the model raised RuntimeError in the forward pass of step {W.FAIL_STEP} (at {worker}:{line}, in "
+        f"forward): injected failure on rank 1 at step {W.FAIL_STEP}"
+    )
     assert re.fullmatch(
-        rf"rank 1 failed first: RuntimeError: injected failure on rank 1 at step {W.FAIL_STEP}; rank 0 then lost "
-        r"its connection to it \(RuntimeError: [^;]*Connection (closed|reset) by peer[^;]*\)",
+        rf"rank 1 failed first: {re.escape(raised)}; rank 0 then lost its connection to it \(RuntimeError: "
+        r"[^;]*Connection (closed|reset) by peer[^;]*\)",
         reason,
     ), reason
     shown = Path("runs") / rdir.name  # as the ranks name it, from their working directory
-    rank1 = (runs / "train-fail-rank1.error").read_text()  # (the ranks' own tracebacks)
-    assert "injected failure" in rank1
-    assert f"precprof: this rank writes no run directory; rank 0 saves what it recorded to {shown}\n" in rank1
+    assert (runs / "train-fail-rank1.stderr").read_text().splitlines() == [
+        f"precprof: error: {raised}; rank 0 writes its traceback into {shown / 'traceback.txt'}",
+        f"precprof: this rank writes no run directory; rank 0 saves what it recorded to {shown}",
+    ]
     assert (runs / "train-fail-rank0.stderr").read_text().splitlines()[:2] == [
-        f"precprof: error: {reason}; its traceback is in {shown / 'traceback.txt'}",
+        f"precprof: error: {reason}; rank 1's traceback is in {shown / 'traceback.txt'} (then rank 0's)",
         f"precprof: training stopped: the partial run is in {shown} (1 finished step)",
     ]
+    kept = (rdir / T.TRACEBACK_FILE).read_text()
+    theirs, ours = kept.split("# rank 0's, after rank 1 failed:\n")
+    assert theirs.startswith(
+        f"{T.TRACEBACK_HEAD}# rank 1's, which failed first:\nTraceback (most recent call last):"
+    )
+    assert f'File "{worker}", line {line}, in forward' in theirs
+    assert theirs.rstrip().endswith(f"RuntimeError: injected failure on rank 1 at step {W.FAIL_STEP}")
+    assert ours.startswith("Traceback (most recent call last):") and "by peer" in ours
 
 
 def test_a_profiler_attached_on_rank_0_alone_is_refused_with_its_fix(runs: Path) -> None:
@@ -1106,10 +1130,24 @@ def test_a_lost_peer_without_its_error_is_said_to_be_another_ranks_failure(
     )
     sigterm = "interrupted (terminated, SIGTERM)"
     assert launch.failure_cause(rank0, KeyboardInterrupt(), sigterm, interrupted=True) == sigterm
-    launch.record_failure(rank1, gloo)  # a consequence, not rank 1's own: not kept
-    launch.record_failure(rank2, ValueError("bad batch\nsecond line"))
+    assert not launch.record_failure(rank1, gloo)  # a consequence, not rank 1's own: not kept
+    assert launch.record_failure(rank2, ValueError("bad batch\nsecond line"))
     assert launch.failure_cause(rank0, KeyboardInterrupt(), sigterm, interrupted=True) == (
         f"rank 2 failed first: ValueError: bad batch; rank 0 then was {sigterm}"
+    )
+    assert launch.peer_traceback(rank0) is None  # (it left no traceback)
+    # its traceback beside its line, the end of it where it is long
+    trace = "Traceback (most recent call last):\n" + "  frame\n" * 20_000 + "ValueError: bad batch\n"
+    assert launch.record_failure(
+        rank2, ValueError("bad batch"), "the model raised ValueError (at m.py:3)", trace
+    )
+    assert launch.failure_cause(rank0, KeyboardInterrupt(), sigterm, interrupted=True) == (
+        f"rank 2 failed first: the model raised ValueError (at m.py:3); rank 0 then was {sigterm}"
+    )
+    left = len(trace) - launch._TRACEBACK_CHARS
+    assert launch.peer_traceback(rank0) == (
+        2,
+        f"... ({left} characters left out)\n{trace[-launch._TRACEBACK_CHARS :]}",
     )
     own = "ValueError: rank 0's own"
     assert launch.failure_cause(rank0, ValueError("rank 0's own"), own, interrupted=False) == own

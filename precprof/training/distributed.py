@@ -4,9 +4,9 @@ FSDP1), and leave the group once rank 0 has written the run. What the Profiler d
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -84,6 +84,15 @@ def _failure_key(rank: int) -> str:
     return f"precprof/failed/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{rank}"
 
 
+def _traceback_key(rank: int) -> str:
+    """Where ``rank`` keeps its failure's traceback in the store (beside ``_failure_key``)."""
+    return f"{_failure_key(rank)}/traceback"
+
+
+# the most of a rank's traceback kept in the store (its end: the innermost frames and the error)
+_TRACEBACK_CHARS = 64_000
+
+
 def _one_line(e: BaseException, peer: bool = False) -> str:
     """``e`` in one line: its type and its message's first line, without gloo's "[file.cc:553] " prefix; ``peer``:
     its first sentence alone (gloo's goes on "This is typically caused by a remote worker crashing...")."""
@@ -94,17 +103,50 @@ def _one_line(e: BaseException, peer: bool = False) -> str:
     return f"{type(e).__name__}: {text[:300]}".rstrip(": ")
 
 
-def record_failure(info: DistInfo, e: BaseException) -> None:
+def record_failure(info: DistInfo, e: BaseException, said: str = "", trace: str = "") -> bool:
     """Keep this rank's own exception, in one line, in the process group's store (torchrun's rendezvous store),
     where the writing rank finds it when its collectives fail because this rank left (``failure_cause``): the run
     rank 0 saved gave rank 0's "Connection closed by peer" as its cause, the real error only on the terminal.
-    Call it before leaving the group. Not for a lost peer's error (another rank's consequence). Best effort, no
-    collective: a store that cannot be reached is passed over."""
+    ``said``: the line (the model's error as ``precprof train`` says it, with the model's file and line; default
+    "Type: message"); ``trace``: its traceback, for rank 0's traceback.txt (``peer_traceback``; its last
+    ``_TRACEBACK_CHARS`` characters). Call it before leaving the group. Not for a lost peer's error (another rank's
+    consequence). Best effort, no collective: a store that cannot be reached is passed over. Whether it was kept."""
     store = _compat.default_store()
     if store is None or lost_peer(e):
-        return
-    with contextlib.suppress(Exception):
-        store.set(_failure_key(info.rank), _one_line(e))
+        return False
+    if len(trace) > _TRACEBACK_CHARS:
+        trace = f"... ({len(trace) - _TRACEBACK_CHARS} characters left out)\n{trace[-_TRACEBACK_CHARS:]}"
+    try:
+        if trace:  # (first: a rank whose failure is there has its traceback there)
+            store.set(_traceback_key(info.rank), trace)
+        store.set(_failure_key(info.rank), said or _one_line(e))
+    except Exception:
+        return False
+    return True
+
+
+def _failed_first(info: DistInfo, key: Callable[[int], str] = _failure_key) -> tuple[int, str] | None:
+    """The first other rank that recorded its failure (``record_failure``) and what it recorded under ``key``
+    (its line; ``_traceback_key``: its traceback, None where it left none); None where no rank did."""
+    store = _compat.default_store()
+    for rank in range(info.world_size) if store is not None else ():
+        if rank == info.rank:
+            continue
+        try:
+            if not store.check([_failure_key(rank)]):
+                continue
+            if not store.check([key(rank)]):
+                return None
+            return rank, store.get(key(rank)).decode(errors="replace")
+        except Exception:  # the store gone with the group: what this rank saw is all there is
+            return None
+    return None
+
+
+def peer_traceback(info: DistInfo) -> tuple[int, str] | None:
+    """The rank whose failure ``failure_cause`` names and the traceback it left in the store; None where it left
+    none (killed, or a precprof that kept no traceback)."""
+    return _failed_first(info, _traceback_key)
 
 
 def failure_cause(info: DistInfo, e: BaseException, reason: str, interrupted: bool) -> str:
@@ -116,16 +158,9 @@ def failure_cause(info: DistInfo, e: BaseException, reason: str, interrupted: bo
     if not (peer or interrupted):
         return reason
     then = f"lost its connection to it ({_one_line(e, peer=True)})" if peer else f"was {reason}"
-    store = _compat.default_store()
-    for rank in range(info.world_size) if store is not None else ():
-        if rank == info.rank:
-            continue
-        try:
-            if not store.check([_failure_key(rank)]):
-                continue
-            said = store.get(_failure_key(rank)).decode(errors="replace")
-        except Exception:  # the store gone with the group: what this rank saw is all there is
-            break
+    found = _failed_first(info)
+    if found is not None:
+        rank, said = found
         return f"rank {rank} failed first: {said}; rank {info.rank} then {then}"
     if not peer:
         return reason

@@ -22,6 +22,7 @@ compare``'s lines ("stopped after 3 of 8 steps: SystemExit").
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import sys
 import traceback
@@ -33,6 +34,7 @@ from typing import Any
 import torch
 
 from precprof import _compat, rundir
+from precprof import tables as T
 from precprof.errors import PEER_BLAME, ModelError, UserError
 from precprof.models.factory import is_precprof, is_users
 
@@ -57,11 +59,19 @@ class Failure:
     for the user's own model's error (a factory's), said in that line alone, ``PEER`` for the consequence of
     another rank's failure (said in that line alone too: the line names that rank's error), "precprof" for one
     raised in precprof's own code (a bug), "" otherwise (a built-in or Hugging Face model's, torch's); ``traceback``:
-    its file (None when it could not be written, or on a rank that writes no run directory)."""
+    its file (None when it could not be written, or on a rank that writes no run directory, unless rank 0 writes
+    it there: ``told_rank_0``); ``trace``: the text written into it; ``said``: how the terminal's line says where
+    the traceback is (``where``), "{path}" the file."""
 
     text: str
     blame: str
     traceback: Path | None
+    trace: str = ""
+    said: str = "its traceback is in {path}"
+
+    def where(self) -> str:
+        """Where the traceback is, as the terminal's line ends: "its traceback is in runs/x/traceback.txt"."""
+        return self.said.format(path=self.traceback)
 
     def note(self) -> str:
         """The line a traceback on the terminal ends with: where its copy is, and whose bug it is."""
@@ -72,7 +82,40 @@ class Failure:
                 "precprof: the error was raised in precprof's own code, a bug: please report it with "
                 f"{self.traceback}"
             )
+        if self.said != Failure.said:
+            return f"precprof: {self.where()}"
         return f"precprof: the traceback is in {self.traceback} too"
+
+
+def told_rank_0(kept: Failure, run_dir: Path) -> Failure:
+    """``kept``, of a rank that writes no run directory, once its error and traceback are in the group's store
+    (``distributed.record_failure``), which rank 0 writes into ``run_dir``'s traceback.txt: its terminal line says
+    so (a model's error printed torch's 60-line traceback there, every line prefixed ``[rank1]:``)."""
+    return dataclasses.replace(
+        kept, traceback=run_dir / T.TRACEBACK_FILE, said="rank 0 writes its traceback into {path}"
+    )
+
+
+def caused_by_peer(kept: Failure, cause: str, rank: int, peer: tuple[int, str] | None) -> Failure:
+    """Rank ``rank``'s ``kept`` once its error is found the consequence of another rank's failure: said as the run's
+    ``cause`` (which names that rank's error; blame ``PEER``). Where that rank left its traceback in the store
+    (``peer``: that rank and its traceback), traceback.txt holds it, then this rank's own; else the line says
+    whose traceback the file holds (it said "its traceback is in" of rank 0's gloo "Connection closed by peer"
+    alone, after "rank 1 failed first: ...")."""
+    kept = dataclasses.replace(kept, text=cause, blame=PEER, said=f"rank {rank}'s traceback is in {{path}}")
+    if kept.traceback is None or peer is None:
+        return kept
+    other, theirs = peer
+    text = (
+        f"# rank {other}'s, which failed first:\n{theirs.rstrip()}\n\n"
+        f"# rank {rank}'s, after rank {other} failed:\n{kept.trace}"
+    )
+    path = rundir.write_traceback(kept.traceback.parent, text)
+    if path is None:  # (a full disk) the file holds this rank's alone
+        return kept
+    return dataclasses.replace(
+        kept, traceback=path, trace=text, said=f"rank {other}'s traceback is in {{path}} (then rank {rank}'s)"
+    )
 
 
 def exit_call(code: object) -> str:
@@ -125,7 +168,7 @@ def keep(
     first = _first_line(said)
     blame = _blame(e, frames, files, kind, phase)
     raised = f"{'the model raised ' if blame == 'model' else ''}{type(said).__name__} {when}{place}"
-    return Failure(raised + (f": {first}" if first else ""), blame, path)
+    return Failure(raised + (f": {first}" if first else ""), blame, path, text)
 
 
 @contextlib.contextmanager

@@ -772,10 +772,25 @@ def _run(s: _Setup, callbacks: Sequence[Callback], claimed: rundir.RunDir | None
                 if s.writer:
                     own = reason
                     reason = launch.failure_cause(s.dist_info, e, reason, interrupted is not None)
-                    if kept is not None and reason != own:  # the terminal says it as the run does, in a line
-                        kept = dataclasses.replace(kept, text=reason, blame=failure.PEER)
+                    if kept is not None and reason != own:  # the terminal says it as the run does, in a line,
+                        # and traceback.txt holds the failing rank's traceback first
+                        peer = launch.peer_traceback(s.dist_info)
+                        kept = failure.caused_by_peer(kept, reason, s.dist_info.rank, peer)
                 elif interrupted is None:  # for rank 0's run, before this rank leaves the group
-                    launch.record_failure(s.dist_info, e)
+                    model_error = (
+                        kept is not None and kept.blame == "model"
+                    )  # said with its line, as rank 0 says it
+                    said, trace = (
+                        (kept.text if model_error else "", kept.trace) if kept is not None else ("", "")
+                    )
+                    if (
+                        launch.record_failure(s.dist_info, e, said, trace)
+                        and kept is not None
+                        and model_error
+                    ):
+                        kept = failure.told_rank_0(
+                            kept, s.run_dir
+                        )  # its one line, as a single process says it
             # a crashed run gets its tables, summary and report of the steps recorded, marked incomplete
             _save(s, prof, time.perf_counter() - t_start, steps_done, reason)
         _saved_to(e, s, "the partial run")
