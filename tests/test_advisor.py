@@ -1559,6 +1559,85 @@ def test_beside_another_optimizer_adam_is_told_of_its_own_weights_only(blown_by:
         assert "AdamW's eps (1e-08) is 0 in fp16" in f.message
 
 
+class Standardize(nn.Module):
+    """(x - mean) / std over the batch, without an eps: a batch of one row repeated is 0/0, nan."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x - x.mean(0, keepdim=True)) / x.std(0, keepdim=True)
+
+
+def _standardized_run(
+    sample_every: int, lr: float = 1e-2, bad_step: int | None = 6
+) -> tuple[Profiler, list[float]]:
+    """An fp32 MLP with a ``Standardize`` trained 12 steps with SGD, no loss scaler; at ``bad_step`` the batch is
+    one row repeated, so its forward pass is 0/0. Returns the Profiler and the losses the loop computed."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), Standardize(), nn.ReLU(), nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    x, y = torch.randn(16, 8), torch.randn(16, 4)
+    losses = []
+    with Profiler(model, optimizer=opt, sample_every=sample_every) as prof:
+        for step in range(12):
+            xb = x[:1].expand(16, 8) if step == bad_step else x
+            loss = (model(xb) - y).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+            prof.step(loss=loss.detach())
+    return prof, losses
+
+
+def test_a_nan_loss_at_an_unsampled_step_is_dated_by_the_steps_table_not_blamed_on_the_optimizer() -> None:
+    """An fp32 run whose forward pass goes 0/0 at step 6, not sampled (sample_every=4): the weights are nan at
+    the next sampled step, finite at step 4. The finding said "an optimizer step from step 4 to step 7 wrote
+    it ... turned finite gradients into non-finite weights" and told to keep fp32 master weights, of weights
+    already fp32 (tester t1). The steps table has every step's loss: finite to step 5, nan at step 6, before
+    its optimizer step ran. Now it dates the nan there, says the optimizer steps before it were finite, and
+    tells to sample that step; sampled (sample_every=1), the same run names the Standardize at step 6."""
+    prof, losses = _standardized_run(4)
+    first_nan = next(i for i, v in enumerate(losses) if not math.isfinite(v))
+    steps = prof.tables()["steps"]
+    sampled = {int(s) for s in steps[steps[T.SAMPLED]][T.STEP]}
+    assert first_nan == 6 and 6 not in sampled and 4 in sampled
+    f = must(recommend(prof.tables(), summary={T.SUMMARY_CAPTURE: prof.summary()}), "nonfinite_forward")
+    assert f.title == "nan/inf first appears at step 6, which was not sampled: its loss was nan"
+    assert f.numbers["step"] == 6 and f.numbers["sampled_before"] == 4 and f.numbers["skipped"] == 0
+    after = int(f.numbers["sampled_after"] or 0)
+    assert after == min(s for s in sampled if s > 6)
+    assert (
+        "forward pass or the loss of step 6" in f.message
+        and "optimizer steps before it were finite" in f.message
+    )
+    assert "sample_every=1" in f.remedy and "master weights" not in f.remedy and f.modules == []
+    # sampled, the step names its module, as before
+    prof, _ = _standardized_run(1)
+    f = must(recommend(prof.tables(), summary={T.SUMMARY_CAPTURE: prof.summary()}), "nonfinite_forward")
+    assert f.modules == ["1"] and f.numbers["step"] == 6 and "forward pass of" in f.title
+
+
+def test_an_optimizer_overflowing_fp32_weights_is_not_told_to_keep_fp32_master_weights() -> None:
+    """SGD at a learning rate of 1e38 on gradients above 10 writes inf into fp32 weights at step 0. The finding
+    told to keep fp32 master weights, which they are; it says so only of 16-bit weights."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=1e38)
+    x, y = torch.randn(16, 8), torch.randn(16, 4)
+    finite_after = []
+    with Profiler(model, optimizer=opt, sample_every=1) as prof:
+        for _ in range(3):
+            loss = (model(x) - y).square().mean() * 1e3
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            finite_after.append(all(bool(torch.isfinite(p).all()) for p in model.parameters()))
+            prof.step(loss=loss.detach())
+    assert finite_after[0] is False
+    f = must(recommend(prof.tables(), summary={T.SUMMARY_CAPTURE: prof.summary()}), "nonfinite_forward")
+    assert f.title == "nan/inf first appears in the weights: the optimizer step of step 0 wrote it"
+    assert "(float32)" in f.remedy and "master weights" not in f.remedy and "learning rate" in f.remedy
+
+
 class LayerScaleBlock(nn.Module):
     """A ConvNeXt-like residual block: x + gamma * fc(x), gamma an fp32 parameter of 1e-7 (ConvNeXt starts its
     at 1e-6): under autocast the product is fp32 (gamma promotes it) and tiny. ``tiny_bf16``: a second Linear
@@ -2706,15 +2785,21 @@ def test_shares_are_written_without_exponents() -> None:
     ]
 
 
-def test_the_weights_turned_nonfinite_between_two_sampled_steps_name_the_two_optimizer_steps() -> None:
+@pytest.mark.parametrize("pass_loss", [False, True])
+def test_the_weights_turned_nonfinite_between_two_sampled_steps_name_the_two_optimizer_steps(
+    pass_loss: bool,
+) -> None:
     """SGD at lr 1e20 with every second step sampled: step 0's weights and gradients are finite, step 2's weights
     are not. Steps 0 and 1 could have done it (the test's own check after each optimizer step: step 1's did), and
     the finding said "an optimizer step from step 0 to step 1 (the steps between were not sampled)", where the
-    one step between is step 1."""
+    one step between is step 1. A loop that passes its loss tells more: step 1's loss was inf, before its
+    optimizer step ran (the weights step 0 wrote, finite, are too large for the forward pass), so the finding
+    dates it at step 1's forward pass (tester t1's case of an unsampled step)."""
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
     opt = torch.optim.SGD(m.parameters(), lr=1e20)
     finite_after: list[bool] = []
+    losses: list[float] = []
     with Profiler(m, optimizer=opt, sample_every=2) as prof:
         for _ in range(4):
             loss = m(torch.randn(4, 8)).square().mean()
@@ -2722,9 +2807,16 @@ def test_the_weights_turned_nonfinite_between_two_sampled_steps_name_the_two_opt
             opt.step()
             opt.zero_grad()
             finite_after.append(all(bool(p.isfinite().all()) for p in m.parameters()))
-            prof.step(loss)
+            losses.append(loss.item())
+            prof.step(loss if pass_loss else None)
     assert finite_after == [True, False, False, False]
     f = must(recommend(prof.tables(), summary={T.SUMMARY_CAPTURE: prof.summary()}), "nonfinite_forward")
+    if pass_loss:
+        assert math.isfinite(losses[0]) and math.isinf(losses[1])
+        assert f.title == "nan/inf first appears at step 1, which was not sampled: its loss was inf"
+        assert "Step 1's optimizer step was not skipped, so it applied the inf gradients" in f.message
+        assert "learning rate" in f.remedy
+        return
     assert f.message.startswith("At step 2, the weights of 2 module(s) hold")
     assert (
         "the optimizer step of step 0 or of step 1 (step 1 was not sampled) turned finite gradients into "

@@ -214,6 +214,7 @@ LABELS: dict[Any, tuple[str, str] | None] = {
     "inf": ("inf values", "count"),
     "steps_affected": ("sampled steps affected", "count"),
     "sampled_before": ("last sampled step before it", "step"),
+    "sampled_after": ("first sampled step after it", "step"),
     "optimizer_step": ("the next step the optimizer stepped at (or skipped)", "step"),
     "weight_grad_modules_nonfinite": ("modules whose weight gradient holds nan/inf", "count"),
     "grad_peak": ("largest gradient magnitude in those steps", "magnitude"),

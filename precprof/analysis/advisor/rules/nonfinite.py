@@ -31,6 +31,9 @@ from precprof.analysis.advisor.text import _g, _listing, _log2i, _name, _pct, _p
 from precprof.formats import FP16
 from precprof.modes import FP32_STORAGE_MODES, FP64
 
+# The weights' dtypes whose optimizer arithmetic fp32 master weights would move to fp32.
+_HALF_DTYPES = {"float16", "bfloat16", "torch.float16", "torch.bfloat16"}
+
 # How the messages name a tensor kind.
 _KIND_WORDS = {
     T.ACTIVATION: "activation",
@@ -637,6 +640,9 @@ def _written_by_the_optimizer(
     read = then[then[T.TENSOR] != T.WEIGHT_UPDATE]
     if had.empty or int((read[T.NAN] + read[T.INF]).sum()) or facts.skipped:
         return None
+    lost = _first_unsampled_loss(run, before, step)
+    if lost is not None:
+        return _at_an_unsampled_step(run, streaks, step, weights, before, lost, affected)
     modules = run.sort(mods)
     first = modules[0]
     nan, inf = int(weights[T.NAN].sum()), int(weights[T.INF].sum())
@@ -670,10 +676,15 @@ def _written_by_the_optimizer(
         + (", and its optimizer step was not skipped" if facts.recorded else "")
         + f": {which} turned finite gradients into non-finite weights."
     )
+    dtypes = sorted(set(T.texts(weights[T.DTYPE])))
     remedy = (
-        f"Look at the optimizer's arithmetic in the weights' dtype ({', '.join(sorted(set(weights[T.DTYPE])))}): "
-        "an update that overflows, or a division by a state that underflowed to 0; keep fp32 master weights "
-        "(train under torch.autocast with fp32 parameters) so that it runs in fp32."
+        f"Look at the optimizer's arithmetic in the weights' dtype ({', '.join(dtypes)}): an update that "
+        "overflows, or a division by a state that underflowed to 0"
+        + (
+            "; keep fp32 master weights (train under torch.autocast with fp32 parameters) so that it runs in fp32."
+            if any(d in _HALF_DTYPES for d in dtypes)
+            else " (an eps of 0, a learning rate too high for these gradients)."
+        )
     )
     adam = _adam_divides_by_zero(run, weights, before)
     if adam is not None:
@@ -693,6 +704,115 @@ def _written_by_the_optimizer(
         remedy,
         modules=modules,
         numbers=nums,
+    )
+
+
+def _first_unsampled_loss(run: _Run, before: int, step: int) -> tuple[int, str] | None:
+    """The first step between sampled steps ``before`` and ``step`` (both left out) whose loss was non-finite,
+    with "nan" or "inf", when the loss of every step from ``before`` up to it was passed and finite: the steps
+    table has every step's loss, the layer statistics only the sampled steps'. None otherwise (no such step, a
+    step in between without a loss, or a steps table that cannot tell a nan loss from none: no ``NO_LOSS``)."""
+    steps = run.steps
+    if steps.empty or T.NO_LOSS not in steps or T.LOSS not in steps or step - before < 2:
+        return None
+    given = T.given_losses(T.finished_steps(steps))
+    loss = dict(
+        zip(
+            (int(s) for s in given[T.STEP]),
+            pd.to_numeric(given[T.LOSS], errors="coerce").to_numpy(dtype=float),
+            strict=True,
+        )
+    )
+    for s in range(before, step):
+        if s not in loss:
+            return None
+        if not math.isfinite(loss[s]):
+            return (s, "inf" if math.isinf(loss[s]) else "nan") if s > before else None
+    return None
+
+
+def _at_an_unsampled_step(
+    run: _Run,
+    streaks: list[tuple[int, int]],
+    step: int,
+    weights: pd.DataFrame,
+    before: int,
+    lost: tuple[int, str],
+    affected: int,
+) -> Finding:
+    """``nonfinite_forward`` when the weights first recorded non-finite, at sampled step ``step``, follow a
+    non-finite loss at an unsampled step between it and the sampled step ``before`` (``lost``: that step and
+    "nan" or "inf"), every loss before it finite: the nan/inf began in that step's forward pass or loss (the
+    steps table has its loss, not its layers), not in an optimizer step of the steps before, and its optimizer
+    step, unless skipped, carried it into the weights ``weights`` (the rows of ``step``). Says to sample it."""
+    first_bad, kind = lost
+    modules = set(weights[T.MODULE])  # not named as the finding's: they hold what step first_bad made
+    nan, inf = int(weights[T.NAN].sum()), int(weights[T.INF].sum())
+    numel = int(weights[T.NUMEL].sum())
+    facts = _step_facts(run, streaks, first_bad)
+    skips, skip_nums = _skips(facts, first_bad)
+    where = (
+        f"at sampled step {step}, the weights of {len(modules)} module(s) hold {nan:,} nan and {inf:,} inf values "
+        f"({_pct((nan + inf) / numel if numel else None)} of their {numel:,})"
+    )
+    after = (
+        f"Step {first_bad}'s optimizer step was not skipped, so it applied the {kind} gradients: {where}, and "
+        f"what is recorded from there on follows from step {first_bad}, not a cause"
+        if facts.recorded and not facts.skipped
+        else f"{skips}; {where}"
+    )
+    last_ok = first_bad - 1
+    if last_ok == before:
+        finite = (
+            f"The loss was finite at sampled step {before} and {kind} at step {first_bad}, which was not sampled "
+            f"(the next sampled step is {step})"
+        )
+        vouched = (
+            f"At step {before} every weight and gradient recorded was finite (its optimizer step, which wrote the "
+            f"weights step {first_bad} read from those gradients, is the only one no finite loss vouches for)"
+        )
+    else:
+        finite = (
+            f"The loss was finite on every step from sampled step {before} to step {last_ok} and {kind} at step "
+            f"{first_bad}, which was not sampled (layer statistics exist only on sampled steps; the ones around it "
+            f"are steps {before} and {step})"
+        )
+        vouched = (
+            f"The optimizer steps before it were finite: every forward pass up to step {last_ok} computed a finite "
+            f"loss from the weights they wrote, and at step {before} every weight and gradient recorded was finite "
+            f"(step {last_ok}'s backward pass and optimizer step, which wrote the weights step {first_bad} read, are "
+            "the only ones no finite loss vouches for)"
+        )
+    message = (
+        f"{finite}: the {kind} first appears in the forward pass or the loss of step {first_bad}. {vouched}. "
+        f"{after}."
+    )
+    remedy = (
+        f"Sample step {first_bad} to see which module made the {kind}: run again with sample_every=1 (through "
+        f"step {first_bad + 1} is enough, with the same data: step {first_bad}'s batch), then look there for "
+        + (
+            "a division, log or exp without a guard, or an fp16 overflow (keep it in fp32)."
+            if _fp16_possible(run)
+            else "a division, log or exp without a guard (a norm dividing by a spread of 0), or values that "
+            "grew too large (the learning rate, a missing norm)."
+        )
+    )
+    return Finding(
+        "nonfinite_forward",
+        CRITICAL,
+        f"nan/inf first appears at step {first_bad}, which was not sampled: its loss was {kind}",
+        message,
+        remedy,
+        numbers={
+            "step": first_bad,
+            "nan": nan,
+            "inf": inf,
+            "steps_affected": affected,
+            "sampled_before": before,
+            "sampled_after": step,
+            "weight_modules": len(modules),
+            **skip_nums,
+        },
     )
 
 
