@@ -113,6 +113,34 @@ def test_layers_that_receive_no_gradient_under_a_grad_scaler_are_flushed() -> No
     assert f.remedy.startswith("No larger loss scale fits") and "bf16" in f.remedy
 
 
+def test_a_grad_scaler_held_at_1_is_told_to_start_higher_not_that_the_run_had_none() -> None:
+    """The same model with a dynamic GradScaler given to the Profiler at init_scale=1: the scale never grows in
+    4 steps (growth_interval 2000), so every step is at scale 1 and the same layers receive no gradient. The
+    finding opened "This fp16 run trained without loss scaling" and told to "Scale the loss", while
+    fp16_no_loss_scaling rightly did not fire: the user's scaler started too low (tester t1). Now it says the
+    GradScaler held 1 and tells to start it higher; without a scaler both findings still say it had none."""
+    run, seen = dead_layers.run("fp16", loss_scale=1.0)
+    assert all(bool((g == 0).all()) for g in seen)  # the test's own hook: fc1 received no gradient
+    assert set(run.tables["steps"][T.LOSS_SCALE]) == {1.0} and run.summary["capture"]["scaler_enabled"]
+    rec = run.recommend("t4")
+    f = rec.finding("fp16_gradient_underflow")
+    assert f is not None and f.numbers["fp16_flushed"] and f.severity == "critical"
+    assert f.message.startswith(
+        "This fp16 run's GradScaler held a loss scale of 1 on every step (it started there, and grows only after "
+        "2,000 steps without an overflow, more than this run's 4): "
+    )
+    assert "without loss scaling" not in f.message and "Scale the loss" not in f.remedy
+    k = int(f.numbers["loss_scale_log2"])
+    assert f.remedy.startswith("Start your GradScaler higher than 1: ") and f"init_scale={2**k}" in f.remedy
+    assert rec.finding("fp16_no_loss_scaling") is None
+    # without a scaler, both findings say the run had none
+    run, _ = dead_layers.run("fp16", loss_scale=None)
+    rec = run.recommend("t4")
+    f = rec.finding("fp16_gradient_underflow")
+    assert f is not None and f.message.startswith("This fp16 run trained without loss scaling")
+    assert f.remedy.startswith("Scale the loss: ") and rec.finding("fp16_no_loss_scaling") is not None
+
+
 def test_fp32_gradients_of_a_layer_kept_out_of_autocast_are_no_fp16_underflow() -> None:
     """The same model with fc2 kept in fp32, as the advisor's keep_fp32 says: fc1 receives its gradients again
     (the test's own hook: under 5% zeros, against 100% before). Its re-profile counted the fp32 gradients of fc2,

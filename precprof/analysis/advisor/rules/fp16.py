@@ -1107,6 +1107,33 @@ def _had_loss_scale(run: _Run, ag: pd.DataFrame) -> bool:
     return bool((scales != 1.0).any() or (ag[T.SCALE] != 1.0).any())
 
 
+def _scaler_at_1(run: _Run, ag: pd.DataFrame) -> tuple[str, str] | None:
+    """(the loss scaler's name, what it did, in words) of a run that had one and scaled nothing with it: its
+    capture says an enabled GradScaler was given (or its configuration a loss scaling other than none) and no
+    step or gradient row holds a scale other than 1 (a dynamic GradScaler started at init_scale=1 that never grew).
+    None where it had none or is not known to, and where it scaled. Such a run is told to start its scaler higher,
+    never that it trained without one (fp16_no_loss_scaling does not fire for it)."""
+    if _had_loss_scale(run, ag):
+        return None
+    capture = run.summary.get(T.SUMMARY_CAPTURE) or {}
+    said = run.run_config.get("loss_scaling")
+    if isinstance(capture, Mapping) and capture.get("scaler_enabled"):
+        name, growth = str(capture.get("scaler") or "GradScaler"), capture.get("scaler_growth_interval")
+    elif said and said != "none":
+        name, growth = "loss scaler", None
+    else:
+        return None
+    n = int(run.steps[T.STEP].nunique()) if not run.steps.empty else 0
+    why = (
+        f" (it started there, and grows only after {growth:,} steps without an overflow"
+        + (f", more than this run's {n:,}" if 0 < n < growth else "")
+        + ")"
+        if isinstance(growth, int) and growth > 0
+        else ""
+    )
+    return name, f"{name} held a loss scale of 1 on every step{why}"
+
+
 def _mask_said(run: _Run, masks: list[str]) -> str:
     """The zeros the modules ``masks`` (``_masks_after``) may have written, in words, with their types."""
     types = ", ".join(sorted({run.types.get(m, "") for m in masks} - {""}))
@@ -1133,13 +1160,18 @@ _FLUSH_IS_A_ZERO = (
 )
 
 
-def _flushed_said(run: _Run, fl: _Flush, every: bool, scaled: bool) -> tuple[str, str]:
+def _flushed_said(
+    run: _Run, fl: _Flush, every: bool, scaled: bool, at_1: tuple[str, str] | None
+) -> tuple[str, str]:
     """(the flushed evidence in words, which opens the finding; how it is judged, for the finding's method): a
-    value that underflowed is a zero, so the counts that follow it cannot see what was lost."""
+    value that underflowed is a zero, so the counts that follow it cannot see what was lost. ``at_1``: the
+    scaler of a run that had one at 1 all along (``_scaler_at_1``), which it did not train without."""
     cfg = run.cfg
     where = (
         f"This fp16 run scaled its loss ({_scales(fl.scales)} where these gradients flushed)"
         if scaled
+        else f"This fp16 run's {at_1[1]}"
+        if at_1 is not None
         else "This fp16 run trained without loss scaling"
     )
     if every:
@@ -1207,9 +1239,15 @@ def _flushed_said(run: _Run, fl: _Flush, every: bool, scaled: bool) -> tuple[str
     ), method
 
 
-def _flushed_remedy(fl: _Flush, every: bool, k: int, run_scale: float | None) -> str:
+def _flushed_remedy(
+    fl: _Flush, every: bool, k: int, run_scale: float | None, scaler: str | None = None
+) -> str:
     """What to do about gradients flushed at the scale the run had (``run_scale``; None without a loss scaler): a
-    larger scale where the measured gradients allow one (2^k), else a format with more range."""
+    larger scale where the measured gradients allow one (2^k), else a format with more range. ``scaler``: the
+    name of the scaler a run had at 1 all along (``_scaler_at_1``): it is told to start that one higher."""
+    lead = f"Start your {scaler} higher than 1" if scaler is not None else "Scale the loss"
+    make = "start it at init_scale=" if scaler is not None else "start GradScaler(init_scale="
+    shut = "" if scaler is not None else ")"
     if run_scale is not None and 2.0**k <= run_scale:
         return (
             f"No larger loss scale fits: the largest the measured gradients allow, {_pow2(k)}, is not above the "
@@ -1224,12 +1262,13 @@ def _flushed_remedy(fl: _Flush, every: bool, k: int, run_scale: float | None) ->
             else f"which lifts a gradient at fp16's flush point (2^-25) to {_scale(k - 25)}"
         )
         return (
-            f"Scale the loss: {'no gradient' if every else _listing(fl.empty, 6) + ' received no gradient that'} "
-            f"reached fp16's range, so how far is not measured; start GradScaler(init_scale={_scale(k)}), {lift}, "
+            f"{lead}: {'no gradient' if every else _listing(fl.empty, 6) + ' received no gradient that'} "
+            f"reached fp16's range, so how far is not measured; {make}{_scale(k)}{shut}, {lift}, "
             "let it back off where one overflows, and profile again to size it; or train in bf16."
         )
     return (
-        f"Scale the loss: GradScaler(init_scale={_scale(k)}), the largest scale the measured gradients allow, lifts "
+        f"{lead}: {'init_scale=' if scaler is not None else 'GradScaler(init_scale='}{_scale(k)}{shut}, the largest "
+        "scale the measured gradients allow, lifts "
         "them off fp16's floor"
         + (
             f" ({_binades_above(k, run_scale)} binade(s) above the run's {_loss_scale_said(run_scale)})"
@@ -1475,6 +1514,8 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan, kept: KeptGradients) -> None:
     flushed = (fl.share or 0) > cfg.fp16_flushed_zero_share or bool(fl.empty) or fl.masked_only
     plan.fp16_masks = fl.masks
     scaled = _had_loss_scale(run, ag)
+    at_1 = _scaler_at_1(run, ag)  # a scaler the run had, held at 1: not a run without one
+    lead = f"Start your {at_1[0]} higher than 1" if at_1 is not None else "Scale the loss"
     # Fewer flushes than that, in a run that scaled its loss: gradients that run into the floor at the run's scale,
     # with more than a negligible share of zeros where a zero can only be a flush, sit among fp16's subnormals and
     # lose a few percent there (an unscaled run's are fp16_no_loss_scaling's): a warning, not "Nothing to fix"
@@ -1484,7 +1525,7 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan, kept: KeptGradients) -> None:
     stalled = _stalled(run, loss_change)
     method = ""
     if flushed or thin:  # what the run lost comes first: the exact counts above see none of it
-        flushed_said, method = _flushed_said(run, fl, all_zero16, scaled)
+        flushed_said, method = _flushed_said(run, fl, all_zero16, scaled, at_1)
         msg = (
             flushed_said
             + (
@@ -1543,7 +1584,9 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan, kept: KeptGradients) -> None:
     elif flushed or thin:
         # a stalled run, or one in which a module received no gradient at all, lost its gradients, not a tail
         severity = CRITICAL if (stalled or fl.empty) and not thin else WARNING
-        remedy = _flushed_remedy(fl, all_zero16, k, run_scale if scaled else None)
+        remedy = _flushed_remedy(
+            fl, all_zero16, k, run_scale if scaled else None, at_1[0] if at_1 is not None else None
+        )
     elif (
         (at1 or 0) > cfg.fp16_underflow_ok
         and run_scale > 1.0
@@ -1569,7 +1612,7 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan, kept: KeptGradients) -> None:
             )
     elif (at1 or 0) > cfg.fp16_underflow_ok or (now or 0) > cfg.fp16_underflow_ok:
         severity = WARNING
-        remedy = f"Scale the loss: GradScaler(init_scale={_scale(k)}) brings the underflow to {_pct(atk)}" + (
+        remedy = f"{lead}: GradScaler(init_scale={_scale(k)}) brings the underflow to {_pct(atk)}" + (
             ", a negligible tail." if (atk or 0) > cfg.fp16_underflow_ok else "."
         )
     elif blind:  # nothing counted at scale 1 is no "nothing to fix": fp16 flushed before precprof read them
@@ -1577,7 +1620,7 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan, kept: KeptGradients) -> None:
         remedy = (
             "Not countable in this run: fp16 held these gradients at scale 1, where a value at or below 2^-25 became a "
             f"zero before precprof read it ({_pct(zero16)} of them are zeros, flushed values and true zeros alike). "
-            f"Scale the loss, GradScaler(init_scale={_scale(k)}); to count what fp16 flushes, profile a few steps "
+            f"{lead}, GradScaler(init_scale={_scale(k)}); to count what fp16 flushes, profile a few steps "
             "in fp32 or bf16, where precprof counts each gradient against fp16's floor exactly."
         )
     elif over_k:  # the scale was clamped where the gradients overflow: not one to start at
