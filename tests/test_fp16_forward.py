@@ -44,10 +44,12 @@ def test_a_linear_whose_input_overflowed_in_the_cast_is_not_said_to_overflow_ins
     # fc1's input row and fc1 are one module (the title said "in 2 module(s)" of the one layer hooked above)
     assert f.title == "Activations overflow fp16 in 1 module(s)" and f.numbers["modules"] == 1
     assert f.message.startswith("1 layer(s) read an input beyond fp16's 65504 (")
+    # it happened (tester t1): said as such, not as a what-if
     assert (
-        f"fc1:input: max |x| {max(float(x.abs().max()) for x in xs):.3g}, {over} values an fp16 cast makes inf"
-        in f.message
+        f"fc1:input: max |x| {max(float(x.abs().max()) for x in xs):.3g}, {over} values beyond 65504; fp16 autocast "
+        "cast them to fp16 for the matmul of fc1, where they became inf;" in f.message
     )
+    assert f.numbers["cast_inf_values"] == over and "would become inf" not in f.message
     assert f"fc1: {inf:,} inf in fp16 from its input, which overflowed fp16 (fc1:input)" in f.message
     # the model's own input: the layer reading it is told once what to do (it was told twice, in two ways)
     assert (
@@ -268,6 +270,71 @@ def _dropout_run(precision: str, keep: list[str]) -> tuple[ProfiledRun, dict[str
 def _over_fp16(ys: list[torch.Tensor]) -> int:
     """How many finite values of ``ys`` a cast to fp16 makes inf."""
     return sum(int((y.isfinite() & y.half().isinf()).sum()) for y in ys)
+
+
+class _WideThenHead(nn.Module):
+    """wide: a Linear whose weights are 1e6 times the usual, kept in fp32 by the test (its output beyond 65504, of
+    both signs); head: a Linear under fp16 autocast that reads it, so autocast casts its input to fp16."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.wide, self.head = nn.Linear(16, 32), nn.Linear(32, 1)
+        with torch.no_grad():
+            self.wide.weight.mul_(1e6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.wide(x))
+
+
+@pytest.mark.usefixtures("block_formats_on")  # head's input row and what it reads are recorded
+def test_an_fp32_input_that_overflowed_in_autocasts_cast_is_said_as_what_happened() -> None:
+    """An fp32 tensor beyond 65504 (wide's output, wide kept out of autocast) read by a Linear under fp16 autocast:
+    the cast of its input to fp16 makes inf of both signs, and head's output is nan on every step (inf - inf),
+    every step skipped. fp16_activation_overflow said "[warning] ... values in fp32/bf16 tensors would become
+    inf", a what-if, as it says of a bf16 run, since head held nan, not inf (tester t1). The overflow happened:
+    critical now, and said as what happened, the values counted by the test's own hooks."""
+    model = _WideThenHead()
+    seen: dict[str, list[torch.Tensor]] = {"wide": [], "head": []}
+    for name in seen:
+        getattr(model, name).register_forward_hook(lambda m, a, y, n=name: seen[n].append(y.detach().clone()))
+    run = train_profiled(
+        model,
+        regression_batches(16),
+        nn.functional.mse_loss,
+        precision="fp16",
+        loss_scale=2.0**16,
+        steps=3,
+        keep_fp32=["wide"],
+    )
+    over = sum(int((y.isfinite() & y.half().isinf()).sum()) for y in seen["wide"])
+    assert over > 0 and all(y.dtype == torch.float32 for y in seen["wide"])
+    assert all(y.dtype == torch.float16 and bool(y.isnan().all()) for y in seen["head"])
+    assert bool(run.tables["steps"][T.SKIPPED].all())
+    f = run.recommend("t4").finding("fp16_activation_overflow")
+    assert f is not None and f.severity == "critical" and f.numbers["observed_inf_modules"] == 0
+    assert f.numbers["cast_inf_values"] == f.numbers["overflow_values"] == over
+    assert "would become inf" not in f.message
+    assert (
+        f"({over:,} values in fp32/bf16 tensors became inf where fp16 autocast cast them to fp16" in f.message
+    )
+    nan = sum(int(y.isnan().sum()) for y in seen["head"])
+    assert (
+        f"fp16 autocast cast them to fp16 for the matmul of head, where they became inf, and its fp16 output held "
+        f"{nan:,} nan and 0 inf on those steps" in f.message
+    )
+    # the same tensor in a bf16 run: a what-if, as before
+    bf16 = train_profiled(
+        _WideThenHead(),
+        regression_batches(16),
+        nn.functional.mse_loss,
+        precision="bf16",
+        steps=3,
+        keep_fp32=["wide"],
+    )
+    f = bf16.recommend("t4").finding("fp16_activation_overflow")
+    assert f is not None and f.severity == "warning" and "would become inf" in f.message
+    assert "cast_inf_values" not in f.numbers
 
 
 def test_a_dropout_that_passes_an_overflow_on_is_kept_through_the_layer_that_feeds_it() -> None:

@@ -107,6 +107,7 @@ LABELS: dict[Any, tuple[str, str] | None] = {
     "limit": ("FP16 limit checked against", "magnitude"),
     "observed_inf_modules": ("modules that produced inf", "count"),
     "passed_on_modules": ("element-wise modules passing those values on, not counted again", "count"),
+    "cast_inf_values": ("values fp16 autocast's cast for a matmul made inf", "count"),
     "modules": ("modules", "count"),
     "still_needed": ("layers kept in FP32 that FP16 still needs there", "count"),
     "released": ("layers kept in FP32 free to run in FP16 again", "count"),

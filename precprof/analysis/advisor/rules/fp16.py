@@ -110,7 +110,8 @@ def _rule_fp16_activations(run: _Run, plan: _Plan) -> None:
     if overflow_mods:
         causes = _inf_causes(run, plan, observed, beyond | set(seen[T.MODULE]), per_mod, limit)
         counted = whatif[~whatif[T.MODULE].isin(set(copies))]
-        _add_overflow_finding(run, plan, per_mod, counted, overflow_mods, observed, causes, copies)
+        real = _overflowed_in_the_cast(run, counted)
+        _add_overflow_finding(run, plan, per_mod, counted, overflow_mods, observed, causes, copies, real)
         if not began.empty:
             _said_began(plan, began)
     if near_mods:
@@ -302,6 +303,56 @@ class _InfCauses:
     inside: set[str]  # any other module: an intermediate inside it (an exp, a log or a division)
 
 
+@dataclass
+class _CastInf:
+    """What an fp32 row's overflow did where fp16 autocast cast it for a matmul: the layers that read it and held
+    nan/inf in their fp16 output on a step it overflowed (``readers``), the row's values beyond fp16 on those
+    steps (``values``), and the nan and inf of those outputs there."""
+
+    readers: list[str] = field(default_factory=list)
+    values: int = 0
+    nan: int = 0
+    inf: int = 0
+
+
+def _overflowed_in_the_cast(run: _Run, whatif: pd.DataFrame) -> dict[str, _CastInf]:
+    """The what-if rows (fp32 or bf16 values beyond 65504) whose overflow happened in this run: the row is the
+    input of a matmul layer (its own input row, or a module's output it read, capture.gemm_inputs) that ran under
+    fp16 autocast, which cast it to fp16 for the matmul, and on a step the row overflowed, holding no nan/inf
+    itself, that layer's fp16 output held nan or inf (an inf input to a matmul makes inf, and nan beside an inf of
+    the other sign). Each with what it did (``_CastInf``); the others are a what-if, as in a bf16 or fp32 run."""
+    if whatif.empty:
+        return {}
+    inputs = _gemm_inputs(run) or {}
+    acts = run.kind(T.ACTIVATION)
+    out16 = acts[_dtype_has(acts, "float16") & ((acts[T.NAN] + acts[T.INF]) > 0)]
+    bad = out16.groupby([out16[T.STEP].astype(int), T.texts(out16[T.MODULE]).rename("m")], observed=True)[
+        [T.NAN, T.INF]
+    ].sum()
+    if bad.empty:
+        return {}
+    rows = whatif[(whatif[T.NAN] + whatif[T.INF]) == 0]
+    over = rows.groupby([rows[T.STEP].astype(int), T.texts(rows[T.MODULE]).rename("m")], observed=True)[
+        T.overflow_col("fp16")
+    ].sum()
+    found: dict[str, _CastInf] = {}
+    for (step, m), n in over.items():
+        readers = (
+            [m.removesuffix(T.INPUT_SUFFIX)]
+            if m.endswith(T.INPUT_SUFFIX)
+            else [c for c, v in inputs.items() if m in v]
+        )
+        hit = [c for c in readers if (step, c) in bad.index]
+        if not hit or not n:
+            continue
+        cast = found.setdefault(m, _CastInf())
+        cast.values += int(n)
+        cast.readers = run.sort({*cast.readers, *hit})
+        cast.nan += int(sum(bad.loc[(step, c), T.NAN] for c in hit))
+        cast.inf += int(sum(bad.loc[(step, c), T.INF] for c in hit))
+    return found
+
+
 def _inf_causes(
     run: _Run, plan: _Plan, observed: set[str], overflowed: set[str], per_mod: pd.DataFrame, limit: float
 ) -> _InfCauses:
@@ -332,11 +383,14 @@ def _add_overflow_finding(
     observed: set[str],
     causes: _InfCauses,
     copies: Mapping[str, str],
+    real: Mapping[str, _CastInf],
 ) -> None:
     """fp16_activation_overflow: the modules whose activations go beyond fp16's range (``whatif``: rows that
     were not fp16, counted at 65504), the ``observed`` ones that held inf in fp16, and why (``causes``). The
     element-wise modules that pass on a listed module's values (``copies``: each with that module) are said
-    beside it, their values not counted again."""
+    beside it, their values not counted again. ``real``: the rows among them whose overflow happened, in the
+    cast fp16 autocast made for the matmul that read them (``_overflowed_in_the_cast``): critical, and said as
+    what happened, not as a what-if."""
     cfg = run.cfg
     inside, fed, matmul = causes.inside, causes.fed, causes.matmul
     n_over = int(whatif[T.overflow_col("fp16")].sum())
@@ -361,6 +415,21 @@ def _add_overflow_finding(
                 f"{_name(m)}: {inf} {finite}: its input held a value beyond 65504 that the cast to fp16 made inf, "
                 "or one of its sums overflowed (precprof did not record its input)"
             )
+        if m in real:
+            cast = real[m]
+            # (a reader listed as fed by it says its output's inf itself)
+            held = (
+                ""
+                if all(c in fed for c in cast.readers)
+                else f", and {'its' if len(cast.readers) == 1 else 'their'} fp16 output held {cast.nan:,} nan and "
+                f"{cast.inf:,} inf on those steps"
+            )
+            return (
+                f"{_name(m)}: max |x| {_g(per_mod.loc[m, 'absmax'])}, {int(per_mod.loc[m, 'overflow']):,} values "
+                f"beyond 65504; fp16 autocast cast them to fp16 for the matmul of {_listing(cast.readers, 4)}, "
+                f"where they became inf{held}"
+                + _copies_said(per_mod, m, [c for c, p in copies.items() if p == m])
+            )
         return (
             f"{_name(m)}: max |x| {_g(per_mod.loc[m, 'absmax'])}, "
             f"{int(per_mod.loc[m, 'overflow']):,} values an fp16 cast makes inf"
@@ -377,11 +446,13 @@ def _add_overflow_finding(
     plan.add(
         Finding(
             "fp16_activation_overflow",
-            CRITICAL if observed else WARNING,
+            CRITICAL if observed or real else WARNING,
             f"Activations overflow fp16 in {_n_modules(overflow_mods)} module(s)"
             if beyond
             else f"fp16 activations turn inf inside {_n_modules(overflow_mods)} module(s)",
-            _overflow_counts(made, observed, n_over, causes)
+            _overflow_counts(
+                made, observed, n_over, causes, sum(c.values for m, c in real.items() if m in made)
+            )
             + f": {detail}. No loss scale helps the forward pass.",
             "Use bf16, or keep these modules in fp32 (outside autocast)"
             + _normalise_remedy(made, _model_inputs(run))
@@ -407,6 +478,7 @@ def _add_overflow_finding(
                 "absmax": amax if math.isfinite(amax) else None,
                 "observed_inf_modules": len(observed),
                 **({"passed_on_modules": len(copies)} if copies else {}),
+                **({"cast_inf_values": sum(c.values for c in real.values())} if real else {}),
             },
         )
     )
@@ -428,13 +500,24 @@ def _copies_said(per_mod: pd.DataFrame, m: str, copies: list[str]) -> str:
     )
 
 
-def _overflow_counts(made: list[str], observed: set[str], n_over: int, causes: _InfCauses) -> str:
+def _overflow_counts(
+    made: list[str], observed: set[str], n_over: int, causes: _InfCauses, n_cast: int = 0
+) -> str:
     """How many modules went out of fp16's range in each way: their own values beyond 65504 (``made``,
-    ``n_over`` values of them that were not fp16), or inf from within its range (``causes``)."""
+    ``n_over`` values of them that were not fp16, ``n_cast`` of them made inf by fp16 autocast's cast for the
+    matmul that read them, in this run), or inf from within its range (``causes``)."""
+    became = (
+        f" ({n_over:,} values in fp32/bf16 tensors became inf where fp16 autocast cast them to fp16 for a matmul"
+        if n_cast >= n_over
+        else f" ({n_over:,} values in fp32/bf16 tensors would become inf, {n_cast:,} of them did: fp16 autocast "
+        "cast them to fp16 for a matmul"
+        if n_cast
+        else f" ({n_over:,} values in fp32/bf16 tensors would become inf"
+    )
     parts = (
         [
             _beyond_words(made)
-            + f" ({n_over:,} values in fp32/bf16 tensors would become inf"
+            + became
             + (
                 f"; {_n_modules(observed & set(made))} module(s) already produced inf in fp16"
                 if observed & set(made)
