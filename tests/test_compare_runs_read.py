@@ -544,3 +544,30 @@ def test_a_run_still_recording_goes_by_the_precision_its_layers_show(tmp_path: P
     finally:
         live.detach()
         live.save()
+
+
+def test_a_run_that_recorded_no_loss_is_not_called_diverged(tmp_path: Path) -> None:
+    """Tester t5: a run whose loop called ``prof.step()`` without ``loss=`` was "diverged: the loss became
+    non-finite at step 0", a red tile and a "[missed]" warnings check, though its own report said no loss was
+    recorded; its summary.json's final_loss_avg10 was "NaN", what a run that diverged reached. It has no loss to
+    compare: its lines are not measured and say so; as the first run the reference rule allows, it is passed
+    over for one that has a loss."""
+    ref = _own_loop_run(tmp_path / "ref", 6)
+    run = _own_loop_run(tmp_path / "noloss", 6, loss=False)
+    final = T.read_summary(run)[T.SUMMARY_FINAL]
+    assert final["final_loss"] is None and final["final_loss_avg10"] is None, final
+    for order, name in (([ref, run], "cmp"), ([run, ref], "cmp-first")):
+        comp, _ = C.compare_runs(order, out=tmp_path / name)
+        assert comp.reference == "ref", comp.reference
+        mine = comp.run("noloss")
+        assert mine.outcome == A.NO_LOSS and mine.first_nonfinite_step is None and not mine.curve_loss, mine
+        said = [c.text for c in comp.checks] + comp.summary_lines + comp.notes
+        assert not any("diverged" in t or "non-finite" in t for t in said), said
+        assert all(c.status == A.NOT_MEASURED for c in comp.checks if c.run == "noloss"), comp.checks
+        assert any("noloss has no loss to compare" in t for t in said), said
+        page = (tmp_path / name / C.COMPARE_HTML).read_text()
+        assert 'class="oc-no-loss-recorded"' in page, page
+    first = [n for n in comp.notes if n.startswith("noloss, the reference by the rule")]
+    assert first and "has no loss to compare with: its loop called prof.step() without loss=" in first[0], (
+        comp.notes
+    )

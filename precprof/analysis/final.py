@@ -43,7 +43,13 @@ def final_block(steps: pd.DataFrame, wall_s: float, compiled: Collection[int]) -
     total_tokens = float(tokens.sum()) if len(tokens) else math.nan
     return {
         "final_loss": last,  # None (null): no step had a loss
-        "final_loss_avg10": float(finite.iloc[-10:].mean()) if len(finite) else math.nan,
+        # None as final_loss where no step had a loss (a loop's prof.step() without loss=): "NaN" is what a run
+        # that diverged reached
+        "final_loss_avg10": None
+        if last is None
+        else float(finite.iloc[-10:].mean())
+        if len(finite)
+        else math.nan,
         "steps_done": len(steps),
         "skipped_steps": int(steps[T.SKIPPED].astype(bool).sum()) if not steps.empty else 0,
         **rates,  # the steps precprof left alone; the wall-clock rate beside it

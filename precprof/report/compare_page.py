@@ -27,6 +27,7 @@ from precprof.analysis.comparison import (
     setup_differences,
     smoothing_window,
     uneven_steps,
+    unusable,
 )
 from precprof.analysis.throughput import BASIS_ALL, BASIS_UNSAMPLED
 from precprof.modes import MODE_COLORS
@@ -472,6 +473,7 @@ def render(comparison: Comparison, base_dir: Path | None = None) -> str:
         d["dir_href"] = _rel(r.run_dir, base_dir)
         d["rec_format"] = (r.recommendation or {}).get("format")
         d["described"] = describe_run(r)
+        d["unusable"] = unusable(r)  # a reference's that did not train: "did not train", "has no loss ..."
         d["scale_described"] = describe_scale(r) if r.loss_scaling == "dynamic" else None
         runs.append(d)
     cfg = comparison.config

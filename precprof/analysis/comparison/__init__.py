@@ -58,6 +58,7 @@ from precprof.analysis.comparison.runs import (
     DIVERGED,
     FAILED,
     MATCHED,
+    NO_LOSS,
     REFERENCE,
     REFERENCE_PREFERENCE,
     SETUP_SETTINGS,
@@ -75,12 +76,14 @@ from precprof.analysis.comparison.runs import (
     parse_precisions,
     read_run,
     read_tables,
+    recorded_no_loss,
     reference_candidates,
     reference_index,
     setting_text,
     setup_differences,
     setup_differs,
     smoothing_window,
+    unusable,
 )
 from precprof.analysis.comparison.wording import and_list, describe_run, describe_scale, outcome_sentence
 from precprof.analysis.throughput import BASIS_ALL, MIN_STEPS
@@ -104,6 +107,7 @@ __all__ = [
     "MISSED",
     "NOT_BORNE_OUT",
     "NOT_MEASURED",
+    "NO_LOSS",
     "OVERRIDDEN",
     "REFERENCE",
     "REFERENCE_PREFERENCE",
@@ -136,6 +140,7 @@ __all__ = [
     "predicted_trouble",
     "read_run",
     "read_tables",
+    "recorded_no_loss",
     "reference_candidates",
     "reference_index",
     "setting_text",
@@ -144,6 +149,7 @@ __all__ = [
     "smoothing_window",
     "speed_status",
     "uneven_steps",
+    "unusable",
 ]
 
 
@@ -314,14 +320,14 @@ def _reference(results: Sequence[RunResult], variants: Sequence[Variant]) -> tup
     ref.did_not_train = why[id(ref)]
     if ref.did_not_train:
         return ref, (
-            f"The reference, {ref.label}, did not train: {ref.did_not_train}. The other runs' outcomes and gaps "
+            f"The reference, {ref.label}, {unusable(ref)}: {ref.did_not_train}. The other runs' outcomes and gaps "
             "are measured against it and say nothing of their precision, and the verdict check does not judge "
             "the advisor by them."
         )
     if ref is not allowed[0]:
         first = allowed[0]
         return ref, (
-            f"{first.label}, the reference by the rule (fp32, then tf32, else the first run), did not train: "
+            f"{first.label}, the reference by the rule (fp32, then tf32, else the first run), {unusable(first)}: "
             f"{why[id(first)]}. The reference is {ref.label}, the next run the rule allows that did."
         )
     return ref, ""

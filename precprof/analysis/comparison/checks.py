@@ -28,6 +28,8 @@ from precprof.analysis.comparison.runs import (
     RunResult,
     cut_short,
     no_steps_file,
+    recorded_no_loss,
+    unusable,
 )
 from precprof.analysis.comparison.wording import _fmt_scale, _steps, and_list, outcome_sentence
 
@@ -200,13 +202,13 @@ def not_isolated(r: RunResult, ref: RunResult) -> str:
 
 def reference_did_not_train(ref: RunResult) -> str:
     """That the reference did not train, and why, in the words of the check lines."""
-    return f"the reference, {ref.label}, did not train ({ref.did_not_train})"
+    return f"the reference, {ref.label}, {unusable(ref)} ({ref.did_not_train})"
 
 
 def no_loss(r: RunResult) -> bool:
-    """Whether ``r`` has no loss to check anything by: it failed, or its steps table is missing (a run whose
-    steps.parquet was deleted was called failed, beside its status "complete")."""
-    return r.outcome == FAILED or no_steps_file(r)
+    """Whether ``r`` has no loss to check anything by: it failed, its steps table is missing (a run whose
+    steps.parquet was deleted was called failed, beside its status "complete"), or its loop passed no loss."""
+    return r.outcome == FAILED or no_steps_file(r) or recorded_no_loss(r)
 
 
 def _planned_here(rec: Mapping[str, Any], ref: RunResult) -> bool:
@@ -481,8 +483,13 @@ def _same_format(runs: Sequence[RunResult], ref: RunResult, fmt: str) -> str:
 def _nothing_against(others: Sequence[RunResult]) -> str:
     """Why no other run is set against the reference: none finished, or (named) their steps table is missing."""
     unread = [r.label for r in others if no_steps_file(r)]
-    if unread:
-        return f"no other run has a loss to set against it ({and_list(unread)}: no steps.parquet in its run directory)"
+    unpassed = [r.label for r in others if recorded_no_loss(r)]
+    whys = [
+        f"{and_list(unread)}: no steps.parquet in its run directory" if unread else "",
+        f"{and_list(unpassed)}: its loop called prof.step() without loss=" if unpassed else "",
+    ]
+    if unread or unpassed:
+        return f"no other run has a loss to set against it ({'; '.join(w for w in whys if w)})"
     return "no other run finished to set it against"
 
 

@@ -1,7 +1,8 @@
 """The runs of a comparison: the variants (precision mode and loss scaling), each run's figures read back from its
 run directory, and its outcome against the reference run.
 
-Outcome of a run against the reference: ``diverged`` (non-finite final loss), ``stalled`` (it removed less
+Outcome of a run against the reference: ``no loss recorded`` (its loop passed none to ``prof.step``),
+``diverged`` (non-finite final loss), ``stalled`` (it removed less
 than a quarter of the loss the reference removed), ``matched`` (final loss within ``tolerance``, relative),
 else ``behind`` or ``ahead``; ``not compared`` when the reference has no final loss to compare with. A scaled
 run's loss scale is the one its steps table records, with the times it grew and backed off.
@@ -46,6 +47,8 @@ REFERENCE, MATCHED, BEHIND, AHEAD, STALLED, DIVERGED, FAILED = (
 )
 UNRECORDED = "unknown"  # the status of a run without summary.json: what it trained is not recorded
 UNCOMPARED = "not compared"  # a finished run against a reference without a final loss (it diverged)
+NO_LOSS = "no loss recorded"  # a run whose loop passed no loss (``prof.step()`` without ``loss=``)
+NO_LOSS_WHY = "its loop called prof.step() without loss="
 BAD_OUTCOMES = frozenset({BEHIND, STALLED, DIVERGED})
 
 # the settings besides precision that decide what a run's loss, speed and memory are, as summary.json's config
@@ -182,6 +185,9 @@ class RunResult:
     # the steps of the curve whose update the loss scaler skipped (an overflow: the loss of such a step may be
     # far off the others')
     skipped_at: list[int] = field(default_factory=list)
+    # the compared steps whose loss the loop passed (``steps`` counts them all: a loop's ``prof.step()`` without
+    # ``loss=`` records a step without one); None where not counted (a result not read from a run directory)
+    loss_steps: int | None = None
     # how the loop ran the model ("compiled (torch.compile), the default for fp8", "eager, --no-compile"); None
     # for a run recorded before the loop said
     compiled: str | None = None
@@ -340,7 +346,9 @@ def read_run(
     steps_run = len(steps)
     if until is not None and not steps.empty:
         steps = steps[pd.to_numeric(steps[T.STEP]) <= until]
-    loss = steps[T.LOSS].astype(float).to_numpy() if not steps.empty else np.array([])
+    # the steps whose loss the loop passed: a step of ``prof.step()`` without ``loss=`` has none, not a nan one
+    given = T.given_losses(steps) if not steps.empty else steps
+    loss = given[T.LOSS].astype(float).to_numpy() if not given.empty else np.array([])
     win = smoothing_window(len(loss))
     tail = finite(loss[-win:]) if win else np.array([])
     bad = np.nonzero(~np.isfinite(loss))[0]
@@ -384,14 +392,14 @@ def read_run(
         final_loss=final,
         final_window=win,
         gap=None,
-        outcome=FAILED if not len(loss) else REFERENCE,
+        outcome=FAILED if steps.empty else REFERENCE,
         tokens_per_s=float(tp["tokens_per_s"]),
         tokens_per_s_basis=str(tp["tokens_per_s_basis"]),
         tokens_per_s_steps=int(tp["tokens_per_s_steps"]),
         step_time_spread=float(tp["step_time_spread"]),
         speedup=None,
         skipped_steps=int(steps[T.SKIPPED].astype(bool).sum()) if not steps.empty else 0,
-        first_nonfinite_step=int(steps[T.STEP].iloc[bad[0]]) if len(bad) else None,
+        first_nonfinite_step=int(given[T.STEP].iloc[bad[0]]) if len(bad) else None,
         loss_scaling=kind,
         final_scale=scale.final,
         init_scale=float(init_scale) if isinstance(init_scale, (int, float)) else None,
@@ -407,7 +415,8 @@ def read_run(
         recommendation=_without_block_layers(summary.get(T.SUMMARY_RECOMMENDATION)),
         wall_s=float(final_block.get("wall_s", math.nan) or math.nan),
         report=str(report) if report.exists() else None,
-        curve_steps=[int(s) for s in steps[T.STEP]] if not steps.empty else [],
+        curve_steps=[int(s) for s in given[T.STEP]] if not given.empty else [],
+        loss_steps=len(loss),
         curve_loss=[float(v) for v in loss],
         skipped_at=[int(s) for s in steps.loc[steps[T.SKIPPED].astype(bool), T.STEP]]
         if not steps.empty
@@ -558,6 +567,18 @@ def no_steps_file(run: RunResult) -> bool:
     return STEPS_FILE in run.missing
 
 
+def recorded_no_loss(run: RunResult) -> bool:
+    """Whether ``run`` finished steps but passed a loss on none of them (``prof.step()`` without ``loss=``): it has
+    no loss to compare, which says nothing of how it trained (its final loss is nan, as a diverged run's is)."""
+    return bool(run.steps) and run.loss_steps == 0 and not no_steps_file(run)
+
+
+def unusable(run: RunResult) -> str:
+    """What a reference that ``did_not_train`` gives says of it: that it did not train, or, one that recorded no
+    loss, that it has none to compare with (it may have trained well)."""
+    return "has no loss to compare with" if recorded_no_loss(run) else "did not train"
+
+
 def did_not_train(run: RunResult, others: Sequence[RunResult]) -> str:
     """Why ``run`` did not train, in words ("" when it did): it recorded no step, its loss ended non-finite or
     above 1.5 times its first (``classify``'s divergence), or it removed less than ``STALL_PROGRESS`` of the
@@ -566,6 +587,8 @@ def did_not_train(run: RunResult, others: Sequence[RunResult]) -> str:
         return f"its {STEPS_FILE} is missing from its run directory"
     if not run.steps:
         return "it recorded no finished step"
+    if recorded_no_loss(run):
+        return NO_LOSS_WHY
     if not math.isfinite(run.final_loss):
         at = f" at step {run.first_nonfinite_step}" if run.first_nonfinite_step is not None else ""
         return f"its loss became non-finite{at}"
@@ -596,6 +619,8 @@ def classify(run: RunResult, ref: RunResult, tolerance: float) -> tuple[str, flo
         return UNCOMPARED, None
     if run.status == "missing" or not run.steps:
         return FAILED, None
+    if recorded_no_loss(run):
+        return NO_LOSS, None
     if not math.isfinite(run.final_loss):
         return DIVERGED, None
     if not math.isfinite(ref.final_loss) or ref.final_loss == 0:

@@ -12,6 +12,7 @@ from precprof.analysis.comparison.runs import (
     DIVERGED,
     FAILED,
     MATCHED,
+    NO_LOSS,
     STALLED,
     STEPS_FILE,
     UNCOMPARED,
@@ -101,6 +102,11 @@ def outcome_sentence(run: RunResult, ref: RunResult, tolerance: float) -> str:
     if no_steps_file(run):  # not "did not finish": the run may have, and its steps are not there to say
         return (
             f"{who} has no loss to compare: {STEPS_FILE} is missing from its run directory ({run.run_dir})."
+        )
+    if run.outcome == NO_LOSS:  # not "diverged": its final loss is nan for want of one
+        return (
+            f"{run.label} has no loss to compare: its loop called prof.step() without loss= on each of its "
+            f"{_steps(run.steps)}."
         )
     if run.outcome == MATCHED:
         return f"{who} matched {ref.label} within {_fmt_pct(run.gap)}."
