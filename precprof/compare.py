@@ -27,6 +27,7 @@ from precprof import tables as T
 from precprof.analysis.comparison import (
     ADVISED,
     DEFAULT_TOLERANCE,
+    PRECISION_UNKNOWN,
     Comparison,
     Variant,
     analyse,
@@ -269,7 +270,7 @@ def compare_runs(
     # parent's name with it)
     names = [
         p
-        if precisions.count(p) == 1 and s
+        if precisions.count(p) == 1 and s and p != PRECISION_UNKNOWN
         else (d.name if d.name != "precprof" else f"{d.parent.name}/{d.name}")
         for p, d, s in zip(precisions, dirs, summaries, strict=True)
     ]
@@ -355,13 +356,14 @@ def _ranks_note(summaries: Sequence[Mapping[str, Any]], names: Sequence[str]) ->
 def _precision_of(summary: dict[str, Any], run_dir: Path) -> str:
     """The precision a run goes by: its configuration's, or the one its capture saw; a run still recording, or
     killed before it saved (its first summary, written before any forward pass, names none), by its layers'
-    dtypes as its report reads them (it went by "run": "the run run has no recommendation to check")."""
+    dtypes as its report reads them (it went by "run": "the run run has no recommendation to check"); else
+    ``PRECISION_UNKNOWN`` (a run that sampled no step), which goes by its folder."""
     cfg = summary.get(T.SUMMARY_CONFIG) or {}
     capture = summary.get(T.SUMMARY_CAPTURE) or {}
     said = cfg.get("precision") or capture.get("precision_seen")
     if not said and T.is_run_dir(run_dir):
         said = taxonomy.precision_in_layers(T.read_run(run_dir).tables["layers"])
-    return str(said or "run").lower()
+    return str(said or PRECISION_UNKNOWN).lower()
 
 
 def _different_models(models: Sequence[str]) -> bool:

@@ -571,3 +571,37 @@ def test_a_run_that_recorded_no_loss_is_not_called_diverged(tmp_path: Path) -> N
     assert first and "has no loss to compare with: its loop called prof.step() without loss=" in first[0], (
         comp.notes
     )
+
+
+def test_runs_whose_precision_is_not_recorded_say_so_in_words(tmp_path: Path) -> None:
+    """Tester t5: runs of ``Profiler(sample_every=0)`` record no precision (no sampled step saw one), and the
+    comparison's lines put the word "run" in its place: "b trained in run, as a did", "Warnings for b: run
+    matched a ...". They say it is not recorded."""
+
+    def loop(out: Path) -> Path:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 4)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x, y = torch.randn(8, 4), torch.randn(8, 4)
+        with precprof.Profiler(model, optimizer=opt, sample_every=0) as prof:
+            for _ in range(6):
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                prof.step(loss=loss.detach())
+        prof.save(out)
+        return out
+
+    comp, _ = C.compare_runs([loop(tmp_path / "a"), loop(tmp_path / "b")], out=tmp_path / "cmp")
+    assert [r.label for r in comp.runs] == ["a", "b"], comp.runs
+    said = [c.text for c in comp.checks] + comp.summary_lines
+    assert not any(re.search(r"\bin run\b|\brun (matched|diverged|ended|with)\b", t) for t in said), said
+    assert any("b (its precision not recorded: no sampled step recorded it) matched a" in t for t in said), (
+        said
+    )
+    same = [t for t in said if "sets another format against it" in t]
+    assert (
+        same
+        and "the precision b trained in is not recorded (no sampled step recorded it), nor is a's" in same[0]
+    ), same

@@ -23,6 +23,8 @@ from precprof.analysis.comparison.runs import (
     DIVERGED,
     FAILED,
     MATCHED,
+    PRECISION_UNKNOWN,
+    PRECISION_UNKNOWN_WHY,
     REFERENCE,
     UNRECORDED,
     RunResult,
@@ -475,6 +477,14 @@ def _same_format(runs: Sequence[RunResult], ref: RunResult, fmt: str) -> str:
     parts = []
     for prec in dict.fromkeys(r.precision for r in runs):
         names = and_list([r.label for r in runs if r.precision == prec])
+        if prec == PRECISION_UNKNOWN:  # not "b trained in unknown, as a did"
+            many = sum(r.precision == prec for r in runs) > 1
+            parts.append(
+                f"the precision{'s' if many else ''} {names} trained in {'are' if many else 'is'} not recorded "
+                f"({PRECISION_UNKNOWN_WHY})"
+                + (f", nor is {ref.label}'s" if ref.precision == PRECISION_UNKNOWN else "")
+            )
+            continue
         whose = f"as {ref.label} did" if prec == ref.precision else "the format recommended"
         parts.append(f"{names} trained in {prec}, {whose}")
     return "; ".join(parts)

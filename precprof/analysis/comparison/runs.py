@@ -46,6 +46,9 @@ REFERENCE, MATCHED, BEHIND, AHEAD, STALLED, DIVERGED, FAILED = (
     "failed",
 )
 UNRECORDED = "unknown"  # the status of a run without summary.json: what it trained is not recorded
+# the precision of a recorded run that names none (``Profiler(sample_every=0)``: no sampled step saw one)
+PRECISION_UNKNOWN = "unknown"
+PRECISION_UNKNOWN_WHY = "no sampled step recorded it"
 UNCOMPARED = "not compared"  # a finished run against a reference without a final loss (it diverged)
 NO_LOSS = "no loss recorded"  # a run whose loop passed no loss (``prof.step()`` without ``loss=``)
 NO_LOSS_WHY = "its loop called prof.step() without loss="

@@ -13,6 +13,8 @@ from precprof.analysis.comparison.runs import (
     FAILED,
     MATCHED,
     NO_LOSS,
+    PRECISION_UNKNOWN,
+    PRECISION_UNKNOWN_WHY,
     STALLED,
     STEPS_FILE,
     UNCOMPARED,
@@ -79,6 +81,8 @@ def describe_run(run: RunResult) -> str:
     scaling``, ``bf16``."""
     if run.status == UNRECORDED:  # no summary.json: its precision is not known
         return f"{run.label} (its precision not recorded)"
+    if run.precision == PRECISION_UNKNOWN:  # not "run matched fp32"
+        return f"{run.label} (its precision not recorded: {PRECISION_UNKNOWN_WHY})"
     fp16 = run.precision.startswith("fp16")
     if run.loss_scaling == "none":
         return f"{run.precision} without loss scaling" if fp16 else run.precision
