@@ -888,6 +888,14 @@ def test_rows_that_hold_only_zeros_are_marked_in_the_heatmaps() -> None:
         caption = page.split(f'id="signature-{kind}"', 1)[1].split("</figcaption>", 1)[0]
         which = "One row holds" if len(names) == 1 else f"{len(names)} rows hold"
         assert f"{which} only zeros on every sampled step, marked “all zero”" in caption
+    # fewer rows drawn than there are: the caption says how many of the run's all-zero rows are drawn (tester t5:
+    # "20 rows hold only zeros" of a run whose tables had 254 such rows)
+    hm = plots.signature_heatmap(hist, tables["layers"], T.WEIGHT_GRAD, max_rows=3)
+    assert hm is not None and hm.rows_shown == 3 and 0 < hm.all_zero < 5, hm
+    drawn = "One of the 5 rows that hold only zeros on every sampled step is drawn"
+    if hm.all_zero > 1:
+        drawn = f"{hm.all_zero} of the 5 rows that hold only zeros on every sampled step are drawn"
+    assert hm.zero_note().startswith(drawn + ", marked “all zero”"), hm.zero_note()
 
 
 def test_heatmap_matrix_and_whatif_shares_agree_with_the_tables(

@@ -231,12 +231,23 @@ class Heatmap:
     rows: list[tuple[str, str]] = field(default_factory=list)  # the (module, param) rows drawn, top to bottom
     selection: RowSelection = field(default_factory=lambda: RowSelection([]))
     all_zero: int = 0  # rows drawn that held only zeros (``ALL_ZERO``)
+    all_zero_total: int = 0  # rows of the kind, drawn or not, that held only zeros
 
     def zero_note(self) -> str:
-        """The caption's sentence on the rows marked ``ALL_ZERO``, when some are."""
-        which = "One row holds" if self.all_zero == 1 else f"{self.all_zero} rows hold"
+        """The caption's sentence on the rows marked ``ALL_ZERO``, when some are: how many of those the run has
+        are drawn, where not all are (a caption said "20 rows hold only zeros" of a run with 254 such rows)."""
+        total = max(self.all_zero_total, self.all_zero)
+        if total > self.all_zero:
+            which = (
+                f"{'One' if self.all_zero == 1 else self.all_zero} of the {total} rows that hold only zeros on "
+                f"every sampled step {'is' if self.all_zero == 1 else 'are'} drawn"
+            )
+        else:
+            which = (
+                "One row holds" if self.all_zero == 1 else f"{self.all_zero} rows hold"
+            ) + " only zeros on every sampled step"
         return (
-            f"{which} only zeros on every sampled step, marked “{ALL_ZERO}” (a ReLU that never fires gives such "
+            f"{which}, marked “{ALL_ZERO}” (a ReLU that never fires gives such "
             "rows: its output and the gradients behind it): no value to place by magnitude, and none lost; an "
             "empty row without the mark has no finite nonzero value recorded."
         )
@@ -436,6 +447,10 @@ def signature_heatmap(
     lost = lost_in_focus(layers, kind, focus)
     what = focus_label(kind, focus)
     rows_total = len(rows)
+    zero = S.all_zero_rows(layers, kind)
+    # the rows of the whole run that hold only zeros (none of their values placed), of which the caption says
+    # how many are drawn
+    zero_total = sum(1 for i, r in enumerate(rows) if r in zero and mat[i].sum() == 0)
     sel = _select_rows(rows, lost, max_rows)
     rows = [rows[i] for i in sel.index]
     mat = mat[sel.index]
@@ -482,7 +497,6 @@ def signature_heatmap(
     ax.set_xlim(x0, x1)
     ax.set_ylim(n, 0)
     _mark_gaps((ax, ax_lost), sel)
-    zero = S.all_zero_rows(layers, kind)
     zero_rows = [i for i, r in enumerate(rows) if r in zero and tot[i, 0] == 0]
     for i in zero_rows:
         ax.text(
@@ -617,4 +631,6 @@ def signature_heatmap(
     fit_margins(fig)
     if _fit_title(fig, ax_strip, title, head, under) | _fit_x_label(fig, ax, ax_lost):
         fit_margins(fig)  # a text broken in two lines is taller
-    return Heatmap(fig, kind, rows_total, n, scale, wins, focus, what, (x0, x1), rows, sel, len(zero_rows))
+    return Heatmap(
+        fig, kind, rows_total, n, scale, wins, focus, what, (x0, x1), rows, sel, len(zero_rows), zero_total
+    )
