@@ -490,6 +490,35 @@ def test_a_diverged_run_leaves_the_loss_plots_readable() -> None:
     assert "a run that diverged is left out of its scale" in caption
 
 
+def test_a_run_whose_loss_was_never_finite_is_marked_on_the_loss_plot() -> None:
+    """Tester t5: the loss plot's legend said "loss not finite" for a run whose every loss was nan, and drew its
+    mark at loss 0, below the axis the other run scaled: no mark was seen. It is drawn inside the axis."""
+    steps = list(range(12))
+    ref = [5.5 - 0.1 * s for s in steps]
+    runs = [
+        run_result("fp32", 5.5, ref[-1], curve_steps=steps, curve_loss=ref),
+        run_result(
+            "nan",
+            math.nan,
+            math.nan,
+            precision="bf16",
+            curve_steps=steps,
+            curve_loss=[math.nan] * len(steps),
+            outcome=A.DIVERGED,
+            first_nonfinite_step=0,
+        ),
+    ]
+    comp = A.Comparison(runs, "fp32", 0.02, [], [], {"model": "gpt-nano"}, recorded=True)
+    fig = compare_page.loss_figure(comp)
+    ax_loss = fig.axes[0]
+    assert "loss not finite" in [t.get_text() for t in ax_loss.get_legend().get_texts()]
+    (mark,) = [ln for ln in ax_loss.get_lines() if ln.get_marker() == "X"]
+    fig.canvas.draw()
+    ((px, py),) = mark.get_transform().transform(np.column_stack(mark.get_data()))
+    box = ax_loss.get_window_extent()
+    assert box.x0 <= px <= box.x1 and box.y0 <= py <= box.y1, ((px, py), box)
+
+
 def test_a_loss_spike_at_a_skipped_step_leaves_the_relative_plot_readable() -> None:
     """An fp16 run whose loss at step 7 was 1e6 times the others', a step its GradScaler skipped: the relative
     plot was scaled to +100,000,000% by that one point, every curve flat on 0%. The axis is scaled without the

@@ -1883,6 +1883,30 @@ def test_a_diverged_runs_loss_is_on_a_log_axis_and_its_nan_norms_are_marked() ->
     assert fig is not None and not [ln for ln in fig.axes[2].get_lines() if ln.get_marker() == "^"]
 
 
+def test_a_loss_never_finite_is_drawn_on_an_axis_without_numbers() -> None:
+    """Tester t5: a run whose every loss was nan drew its marks at 1.00 on a loss axis ticked 0.96 to 1.04, which
+    reads "loss 1.00" at every step. The marks are drawn on an axis without numbers, which says no loss was
+    finite."""
+    n = 8
+    steps = pd.DataFrame(
+        {
+            T.STEP: range(n),
+            T.LOSS: math.nan,
+            T.LOSS_SCALE: 1.0,
+            T.SKIPPED: False,
+            T.GRAD_NORM: math.nan,
+            T.RESUMED: False,
+        }
+    )
+    fig = plots.training_figure(steps)
+    assert fig is not None
+    loss_ax = fig.axes[0]
+    assert len(loss_ax.get_yticks()) == 0, loss_ax.get_yticks()
+    (marks,) = [ln for ln in loss_ax.get_lines() if ln.get_marker() == "X"]
+    assert list(marks.get_xdata()) == list(range(n))
+    assert any("no finite loss" in t.get_text() for t in loss_ax.texts)
+
+
 def test_the_root_module_has_one_name_in_findings_lists_numbers_and_sentences(
     synthetic: tuple[dict[str, pd.DataFrame], dict],
 ) -> None:

@@ -104,6 +104,7 @@ def loss_figure(comparison: Comparison) -> Any:
     relative: list[tuple[RunResult, np.ndarray, np.ndarray, np.ndarray]] = []
     styles = run_styles(comparison.runs)
     not_finite = False
+    never_finite: list[tuple[np.ndarray, str]] = []  # (first step, colour) of each run without a finite loss
     # the reference last and thinnest, on top of wider lines: curves that coincide all stay visible
     order = [i for i, r in enumerate(comparison.runs) if r is not ref] + [comparison.runs.index(ref)]
     for i in order:
@@ -119,17 +120,22 @@ def loss_figure(comparison: Comparison) -> Any:
         ax_loss.plot(x, ys, color=color, lw=width, ls=ls, label=plain(r.label), zorder=3 if r is ref else 2)
         finite_all.extend(finite(y).tolist())
         bad = ~np.isfinite(y)
-        if bad.any():
+        if bad.any() and np.isfinite(y).any():
             not_finite = True
-            ax_loss.plot(
-                x[bad][:1], [np.nanmax(finite(y))] if np.isfinite(y).any() else [0], "X", color=color, ms=9
-            )
+            ax_loss.plot(x[bad][:1], [np.nanmax(finite(y))], "X", color=color, ms=9)
+        elif (
+            bad.any()
+        ):  # no loss of its own to place it by: drawn once the axis is scaled (at 0 it was off it)
+            not_finite = True
+            never_finite.append((x[bad][:1], color))
         if r is not ref and len(ref_s):
             m = min(len(ys), len(ref_s))
             if m and np.array_equal(x[:m], ref_steps[:m]):
                 skipped = np.isin(x[:m], r.skipped_at + ref.skipped_at).astype(float)
                 relative.append((r, x[:m], (ys[:m] - ref_s[:m]) / np.abs(ref_s[:m]), _smooth(skipped, w) > 0))
     _scale_loss_axis(ax_loss, np.asarray(finite_all, dtype=float))
+    for x0, color in never_finite:  # near the top of the axis, whatever its scale: no loss to place it by
+        ax_loss.plot(x0, [0.95], "X", color=color, ms=9, transform=ax_loss.get_xaxis_transform())
     ax_loss.set_title(
         f"Training loss (faint: per step; solid: {w}-step moving average)" if w > 1 else "Training loss"
     )

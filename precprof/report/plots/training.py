@@ -63,9 +63,30 @@ def training_figure(steps: pd.DataFrame, norm_type: str | None = None) -> Figure
         label="loss",
     )
     bad = ~np.isfinite(loss) & given
-    if bad.any():
-        top = np.nanmax(loss[~bad]) if (~bad).any() else 1.0
+    if bad.any() and (given & ~bad).any():
+        top = np.nanmax(loss[given & ~bad])
         ax.plot(x[bad], np.full(bad.sum(), top), "X", color=SKIP_COLOR, ms=8, label="loss not finite")
+    elif (
+        bad.any()
+    ):  # no loss to place them by: mid-height, on an axis without numbers (they read "loss 1.00")
+        ax.plot(
+            x[bad],
+            np.full(bad.sum(), 0.5),
+            "X",
+            color=SKIP_COLOR,
+            ms=8,
+            transform=ax.get_xaxis_transform(),
+            label="loss not finite",
+        )
+        ax.set_yticks([])
+        ax.text(
+            0.5,
+            0.72,
+            "no finite loss: every recorded loss is nan/inf",
+            ha="center",
+            transform=ax.transAxes,
+            color="#555",
+        )
     if spans_decades(loss[given & ~bad]):
         ax.set_yscale("log")
     _one_value(ax, x[given & ~bad], loss[given & ~bad], lambda v: f"{v:.4g}")
