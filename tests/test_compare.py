@@ -1410,6 +1410,28 @@ def test_a_speed_the_page_says_does_not_compare_draws_no_bar() -> None:
     assert caption.endswith(f"with the speed-up over fp32. No bar for nano_bf16: {why}.")
 
 
+@pytest.mark.parametrize("fastest", [87_409.0, 106_152.0, 1.9e6, 1_234.0])
+def test_the_throughput_axis_ticks_stay_apart_and_inside_the_figure(fastest: float) -> None:
+    """Tester t5: runs of about 1e5 tokens/s had the throughput axis read "0 50000 100000150000200000", its labels
+    run together and the last past the panel's edge, at every page width (the figure is drawn at one). Few ticks,
+    written short: 50k, 1.2M."""
+    comp = _four_runs(tokens_per_s=fastest / 1.21)
+    comp.runs[2] = dataclasses.replace(comp.runs[2], tokens_per_s=fastest, speedup=1.21)
+    fig = compare_page.resources_figure(comp)
+    ax = fig.axes[1]
+    assert overlapping_tick_labels(fig, gap_px=4.0) == []
+    renderer = fig.canvas.get_renderer()
+    lo, hi = ax.get_xlim()
+    labels = [t.label1 for t in ax.xaxis.get_major_ticks() if t.label1.get_text() and lo <= t.get_loc() <= hi]
+    assert 2 <= len(labels) <= 5, [t.get_text() for t in labels]
+    assert all(len(t.get_text()) <= 5 for t in labels), [t.get_text() for t in labels]
+    for t in labels:
+        box = t.get_window_extent(renderer)
+        assert box.x0 >= 0 and box.x1 <= fig.bbox.width, t.get_text()
+    if fastest > 1e5:
+        assert any(t.get_text().endswith(("k", "M")) for t in labels), [t.get_text() for t in labels]
+
+
 def test_the_reference_of_uneven_steps_draws_no_bar_and_the_others_draw_theirs() -> None:
     """fp32's step times were too uneven to compare: the throughput panel drew fp32's bar alone, the one speed
     that said nothing, and "no bar: does not compare with fp32" for the others, whose speeds the runs table

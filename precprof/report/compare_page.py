@@ -347,6 +347,8 @@ def _throughput_panel(
 ) -> None:
     """Tokens per second per run, with the speed-up over the reference; a run without them says so. ``labels``:
     the runs' tick labels ("" beside the memory panel, which names the runs)."""
+    from matplotlib.ticker import FuncFormatter, MaxNLocator
+
     ref = comparison.run(comparison.reference)
     # a run whose speed the page says does not compare with the reference's gets no bar: bf16's profiled steps
     # drew at 8.9x fp32's beside a table and a verdict check that said these speeds do not compare
@@ -378,6 +380,9 @@ def _throughput_panel(
         ax_tp.text(v, yi, f" {v:,.0f}{sp}{mark}", va="center", fontsize=8)
     ax_tp.set_yticks(y, labels)
     ax_tp.set_xlim(0, max(tps.max() * 1.9, 1))
+    # few ticks, written short (50k, 1.2M): "0 50000 100000150000200000" ran together and past the panel's edge
+    ax_tp.xaxis.set_major_locator(MaxNLocator(nbins=4, min_n_ticks=2))
+    ax_tp.xaxis.set_major_formatter(FuncFormatter(step_label))
     ax_tp.set_xlabel("tokens / s")
     # which steps were timed (throughput_basis says it in words under the runs table)
     basis = (

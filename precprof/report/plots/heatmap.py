@@ -475,7 +475,7 @@ def signature_heatmap(
     width = FIG_WIDTH_IN
     fig = Figure(figsize=(width, fig_h))
     gs = fig.add_gridspec(
-        2, 3, height_ratios=[strip_h, heat_h], width_ratios=[1.0, 0.28, 0.03], hspace=0.05, wspace=0.05
+        2, 3, height_ratios=[strip_h, heat_h], width_ratios=[1.0, 0.34, 0.03], hspace=0.05, wspace=0.05
     )
     fig.subplots_adjust(left=0.35, right=0.9, top=1 - 0.35 / fig_h, bottom=0.7 / fig_h)
     ax_strip = fig.add_subplot(gs[0, 0])
