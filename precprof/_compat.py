@@ -10,6 +10,7 @@ import contextlib
 import copy
 import functools
 import gc
+import inspect
 import logging
 import os
 import sys
@@ -431,8 +432,9 @@ def flat_param_shard(p: torch.Tensor) -> torch.Tensor | None:
 def is_compiled(module: Any) -> bool:
     """Whether ``module`` runs under ``torch.compile``: its wrapper, compiled in place (``module.compile()``
     sets the call it makes instead of its own), or its forward replaced by a compiled one (``module.forward =
-    torch.compile(module.forward)``)."""
-    return (
+    torch.compile(module.forward)``); not one ``torch.compiler.disable`` wraps (:func:`compile_disabled`), whose
+    wrapper Dynamo marks as it marks a compiled one."""
+    return not compile_disabled(module) and (
         is_compile_wrapper(module)
         or getattr(module, "_compiled_call_impl", None) is not None
         or _compiled_forward(module) is not None
@@ -443,6 +445,24 @@ def _compiled_forward(module: Any) -> Any:
     """The compiled function an instance's ``forward`` was replaced by, or None."""
     forward = getattr(module, "__dict__", {}).get("forward")
     return forward if getattr(forward, "_torchdynamo_orig_callable", None) is not None else None
+
+
+def compile_disabled(module: Any) -> bool:
+    """Whether ``torch.compiler.disable`` keeps Dynamo off ``module``'s forward, which then runs eagerly inside a
+    compiled model: its forward replaced by a disabled one (``m.forward = torch.compiler.disable(m.forward)``),
+    its class's forward or the class itself decorated (that disables its ``_call_impl``), or the module wrapped
+    (``torch.compiler.disable(module)``: Dynamo's wrapper with no compiler). Dynamo marks each such function
+    ``_torchdynamo_disable``; a forward read without running a descriptor."""
+    cls = type(module)
+    for fn in (
+        getattr(module, "__dict__", {}).get("forward"),
+        inspect.getattr_static(cls, "forward", None),
+        inspect.getattr_static(cls, "_call_impl", None),
+    ):
+        if getattr(fn, "_torchdynamo_disable", False) is True:
+            return True
+    ctx = getattr(module, "dynamo_ctx", None)
+    return is_compile_wrapper(module) and ctx is not None and getattr(ctx, "callback", False) is None
 
 
 def compile_backend(module: Any) -> str | None:

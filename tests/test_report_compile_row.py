@@ -156,3 +156,47 @@ def test_a_compiled_loss_beside_an_uncompiled_model_says_the_sampled_steps_ran_i
     # nothing compiled, or nothing sampled to run it eagerly: no row
     assert _row(_run(3, compile_model=False, sample_every=2, memory=False)) == ""
     assert _row(_run(3, compile_model=False, loss_fn=loss_fn, sample_every=0, memory=False)) == ""
+
+
+def test_modules_under_torch_compiler_disable_are_named_beside_the_compiled_model() -> None:
+    """A module's forward under ``torch.compiler.disable`` inside a compiled model (tester t3): the summary
+    said "the whole model", where that module never ran compiled; it names it, however it was disabled (its
+    forward replaced, its class's forward decorated, the module wrapped). A model not compiled whose module is
+    disabled is no "regional" compile (Dynamo marks a disabled forward as it marks a compiled one)."""
+
+    class Disabled(nn.Linear):
+        @torch.compiler.disable
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x)
+
+    def replaced(model: nn.Module) -> nn.Module:
+        model[2].forward = torch.compiler.disable(model[2].forward)
+        return model
+
+    def decorated(model: nn.Module) -> nn.Module:
+        model[2] = Disabled(16, 4)
+        return model
+
+    def wrapped(model: nn.Module) -> nn.Module:
+        model[2] = torch.compiler.disable(model[2])
+        return model
+
+    said = (
+        "the whole model (backend eager) but 2 (torch.compiler.disable: Dynamo does not compile it, and every "
+        "step runs it eagerly)"
+    )
+    for disable in (replaced, decorated, wrapped):
+        assert (
+            precprof.Profiler(torch.compile(disable(_model()), backend="eager")).summary()["compiled"] == said
+        )
+        assert precprof.Profiler(disable(_model())).summary()["compiled"] is None
+    # trained: the row says it as the summary does, and the model's graph breaks around it are no one else's
+    model = replaced(_model())
+    run = torch.compile(model, backend="eager")
+    with precprof.Profiler(run, sample_every=2, memory=False) as prof:
+        for x in torch.randn(4, 4, 8).unbind():
+            run(x).sum().backward()
+            prof.step()
+    capture = prof.summary()
+    assert capture["compiled"] == said
+    assert _row(prof).startswith(said + ": the steps not sampled ran compiled")

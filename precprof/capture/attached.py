@@ -36,7 +36,8 @@ from typing import TYPE_CHECKING
 from precprof import _compat
 from precprof._notice import notice
 from precprof.capture import unsaved
-from precprof.capture.model_facts import compiled_parts, model_class_name
+from precprof.capture.compiled_facts import compiled_parts
+from precprof.capture.model_facts import model_class_name
 
 if TYPE_CHECKING:
     from precprof.capture.profiler import Profiler

@@ -1,7 +1,7 @@
 """What the capture summary says of the model and its optimizers beyond the rows (``ProfilerResults.summary``):
 buffers held in low precision and how far their values may lie from fp32, FP8-emulating layers and the FP8
 recipes torchao's layers run, the MX recipes of torchao's block-scaled layers, dropout layers,
-the parts torch.compile compiled and with which backend, each optimizer's settings."""
+each optimizer's settings (what torch.compile compiled: ``compiled_facts``)."""
 
 from __future__ import annotations
 
@@ -436,25 +436,6 @@ def modules_without_forward(model: nn.Module) -> list[str]:
         and inspect.getattr_static(type(m), "forward", None) is _NO_FORWARD
         and "forward" not in vars(m)
     ]
-
-
-def compiled_parts(model: nn.Module) -> str | None:
-    """What of ``model`` runs under ``torch.compile``, in words: the whole model (a ``torch.compile(model)``
-    or ``model.compile()``), or how many of its modules (regional compilation, as torchtitan compiles each
-    block); None when nothing is. Sampled steps run those eagerly (``force_eager``)."""
-    if _compat.is_compiled(model):
-        return "the whole model" + _backend_said([model])
-    parts = [m for m in model.modules() if m is not model and _compat.is_compiled(m)]
-    return f"{len(parts)} of its modules (regional{_backend_said(parts, ', ')})" if parts else None
-
-
-def _backend_said(modules: list[nn.Module], lead: str = " (") -> str:
-    """ ", backend eager" (in parentheses by default) when every one of ``modules`` says the same backend (the
-    report tells inductor, whose kernels draw their own random numbers, from backends that run torch's ops)."""
-    names = {_compat.compile_backend(m) for m in modules}
-    if len(names) != 1 or None in names:
-        return ""
-    return f"{lead}backend {names.pop()}" + (")" if lead == " (" else "")
 
 
 def optimizer_class(optimizers: Sequence[Any]) -> str | None:

@@ -20,10 +20,10 @@ from precprof._version import __version__
 from precprof.capture import arguments, attached, resumed, unsaved
 from precprof.capture.block_budget import BlockDeal
 from precprof.capture.collect import Collector
+from precprof.capture.compiled_facts import compiled_parts
 from precprof.capture.model_facts import (
     FP8_WHATIF_RECIPE,
     block_recipes,
-    compiled_parts,
     dropout_layers,
     dropped_biases,
     float64_run,
