@@ -15,6 +15,7 @@ import logging
 import os
 import sys
 import traceback
+import types
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
@@ -751,20 +752,30 @@ def compiles() -> int | None:
         return None
 
 
-def compiled_code() -> bool:
-    """Whether Dynamo holds compiled code now: a code object it compiled since the last ``torch._dynamo.reset()``
-    still has a cache entry (a model compiled and run before the Profiler attached). False while Dynamo is not
-    loaded; on a torch without that record, whether :func:`compiles` ever moved."""
+def compiled_entries() -> dict[types.CodeType, int] | None:
+    """The code objects Dynamo holds compiled code for now (compiled since the last ``torch._dynamo.reset()``),
+    each with its number of cache entries (one a compile its guards keep apart from the others): a frame a
+    ``torch.compile``d function or model ran, and each frame a graph break resumed in. {} while Dynamo is not
+    loaded; None on a torch without that record."""
     frames = sys.modules.get("torch._dynamo.convert_frame")
     if frames is None:
-        return False
+        return {}
     frame_ops = getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)
     entries: Any = getattr(frame_ops, "_debug_get_cache_entry_list", None)
     try:
         codes = [ref() for ref in frames.input_codes.seen]
-        return any(code is not None and entries(code) for code in codes)
+        counted = {code: len(entries(code)) for code in codes if isinstance(code, types.CodeType)}
     except (AttributeError, RuntimeError, TypeError):
-        return bool(compiles())
+        return None
+    return {code: n for code, n in counted.items() if n}
+
+
+def compiled_code() -> bool:
+    """Whether Dynamo holds compiled code now: a code object it compiled since the last ``torch._dynamo.reset()``
+    still has a cache entry (a model compiled and run before the Profiler attached). False while Dynamo is not
+    loaded; on a torch without that record, whether :func:`compiles` ever moved."""
+    held = compiled_entries()
+    return bool(held) if held is not None else bool(compiles())
 
 
 def restore_stance(token: Any) -> str | None:

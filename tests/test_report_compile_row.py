@@ -31,23 +31,26 @@ def _run(
     steps: int,
     compile_model: bool = True,
     loss_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    compile_step: bool = False,
     **kw: Any,
 ) -> precprof.Profiler:
     """``steps`` steps of SGD on a tiny model, compiled (``backend="eager"``) or not, with ``loss_fn`` (the
-    mean square by default), under a Profiler given the uncompiled model; ``kw``: the Profiler's."""
+    mean square by default) and the optimizer's step compiled or not, under a Profiler given the model the
+    loop calls; ``kw``: the Profiler's."""
     import torch._dynamo
 
     torch._dynamo.reset()
     model = _model()
     run = torch.compile(model, backend="eager") if compile_model else model
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    opt_step = torch.compile(opt.step, backend="eager") if compile_step else opt.step
     g = torch.Generator().manual_seed(1)
     loss_of = loss_fn or (lambda out: out.pow(2).mean())
     with precprof.Profiler(run, optimizer=opt, **kw) as prof:
         for _ in range(steps):
             loss = loss_of(run(torch.randn(4, 8, generator=g)))
             loss.backward()
-            opt.step()
+            opt_step()
             opt.zero_grad(set_to_none=True)
             prof.step(loss=loss)
     return prof
@@ -148,7 +151,7 @@ def test_a_compiled_loss_beside_an_uncompiled_model_says_the_sampled_steps_ran_i
     assert capture["compiled"] is None and capture["sampling"]["compiled_steps"] == [1]
     assert _row(prof) == (
         "not the Profiler's model, but torch.compile compiled in unsampled step 1: something else this loop "
-        "runs is compiled (a loss, the optimizer's step, a model the Profiler was not given). A sampled step "
+        "runs is compiled (<lambda> (test_report_compile_row.py)). A sampled step "
         "runs every compiled function of the loop eagerly (the force_eager stance precprof sets for it is the "
         "whole process's), so on the 2 sampled steps that code ran eagerly, and what it computed there (a loss, "
         "a weight update) is eager PyTorch's; the steps not sampled ran it compiled"
@@ -156,6 +159,34 @@ def test_a_compiled_loss_beside_an_uncompiled_model_says_the_sampled_steps_ran_i
     # nothing compiled, or nothing sampled to run it eagerly: no row
     assert _row(_run(3, compile_model=False, sample_every=2, memory=False)) == ""
     assert _row(_run(3, compile_model=False, loss_fn=loss_fn, sample_every=0, memory=False)) == ""
+
+
+def test_a_compiled_model_beside_a_compiled_optimizer_step_says_the_sampled_steps_ran_both_eagerly() -> None:
+    """``torch.compile(model)`` and ``torch.compile(opt.step)`` (tester t3): the row said only that the sampled
+    steps ran the model eagerly, where their weight updates were eager's too. The capture names what Dynamo
+    compiled in the run outside the model's source files (``compiled_elsewhere``), and the row says both; a
+    compiled loss is named by its function and file, and nothing is where only the model is compiled."""
+    prof = _run(4, compile_step=True, sample_every=2, memory=False)
+    capture = prof.summary()
+    assert capture["compiled"] == "the whole model (backend eager)"
+    assert capture["compiled_elsewhere"] == ["the optimizer's step"]
+    assert _row(prof) == (
+        "the whole model (backend eager): the steps not sampled ran compiled; the sampled ones ran it eagerly "
+        "(for the hooks), so their statistics are eager PyTorch's values, their time is eager's. torch.compile "
+        "also compiled code outside the model's source files (the optimizer's step); a sampled step runs every "
+        "compiled function of the loop eagerly (the force_eager stance precprof sets for it is the whole "
+        "process's), so on the 2 sampled steps that code ran eagerly too, and what it computed there (a loss, a "
+        "weight update) is eager PyTorch's"
+    )
+
+    def squared(out: torch.Tensor) -> torch.Tensor:
+        return out.pow(2).mean()
+
+    loss = _run(4, loss_fn=torch.compile(squared, backend="eager"), sample_every=2, memory=False)
+    assert loss.summary()["compiled_elsewhere"] == ["squared (test_report_compile_row.py)"]
+    # the model alone, or the model compiled with nothing sampled (every step ran all of it compiled): no more
+    assert _run(4, sample_every=2, memory=False).summary()["compiled_elsewhere"] == []
+    assert "also compiled" not in _row(_run(3, compile_step=True, sample_every=0, memory=False))
 
 
 def test_modules_under_torch_compiler_disable_are_named_beside_the_compiled_model() -> None:
@@ -198,5 +229,5 @@ def test_modules_under_torch_compiler_disable_are_named_beside_the_compiled_mode
             run(x).sum().backward()
             prof.step()
     capture = prof.summary()
-    assert capture["compiled"] == said
+    assert capture["compiled"] == said and capture["compiled_elsewhere"] == []
     assert _row(prof).startswith(said + ": the steps not sampled ran compiled")

@@ -1,15 +1,27 @@
 """What of a run ``torch.compile`` compiled, in the capture summary's words (``ProfilerResults.summary``): the
-parts of the Profiler's model that run compiled (``compiled``) and with which backend, and its modules that
-``torch.compiler.disable`` keeps eager inside them. A sampled step runs all of it eagerly (the ``force_eager``
-stance is the whole process's), which the report's torch.compile row says (``report/compiled_row.py``)."""
+parts of the Profiler's model that run compiled (``compiled``) and with which backend, its modules that
+``torch.compiler.disable`` keeps eager inside them, and what else of the loop Dynamo compiled during the run,
+outside the model's source files (``compiled_elsewhere``: a compiled optimizer step, a compiled loss). A sampled
+step runs all of it eagerly (the ``force_eager`` stance is the whole process's), which the report's
+torch.compile row says (``report/compiled_row.py``)."""
 
 from __future__ import annotations
 
+import inspect
+import os
+import sys
+import types
+from collections.abc import Mapping
+
+import torch
 from torch import nn
 
 from precprof import _compat
 
 _LISTED = 4  # names listed before "and N more"
+_TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_OPTIM = os.path.join(_TORCH, "optim") + os.sep
+_RESUME = "torch_dynamo_resume_in_"  # the frames Dynamo makes to resume a function after a graph break
 
 
 def compiled_parts(model: nn.Module) -> str | None:
@@ -56,3 +68,71 @@ def _disabled_said(model: nn.Module, compiled: list[nn.Module]) -> str:
         f"{'it' if len(names) == 1 else 'them'}, and every step runs {'it' if len(names) == 1 else 'them'} "
         "eagerly)"
     )
+
+
+def compiled_elsewhere(model: nn.Module, before: Mapping[types.CodeType, int] | None) -> list[str]:
+    """What Dynamo compiled since ``before`` (``_compat.compiled_entries`` at the run's first step: a code object
+    counts where it holds more compiled entries now) outside the source files of the model's classes and of the
+    packages they come from, in words: "the optimizer's step" (anything of ``torch.optim``), a function's name
+    and file ("loss_fn (train.py)"), a frame resumed after a graph break by its function's name; at most
+    ``_LISTED`` and "N more". Code of ``torch`` itself outside ``torch.optim`` counts as the model's (its
+    layers). [] where Dynamo's record cannot be read. Read at the summary, never in a step."""
+    now = _compat.compiled_entries()
+    if now is None or before is None:
+        return []
+    own = _model_sources(model)
+    said: dict[str, None] = {}
+    for code, n in now.items():
+        path = os.path.abspath(code.co_filename)
+        models = (path in own[0] or path.startswith(own[1])) and not path.startswith(_OPTIM)
+        if n <= before.get(code, 0) or models:
+            continue
+        said[_code_said(code, path)] = None
+    names = list(said)
+    return names[:_LISTED] + ([f"{len(names) - _LISTED} more"] if len(names) > _LISTED else [])
+
+
+def _model_sources(model: nn.Module) -> tuple[set[str], tuple[str, ...]]:
+    """The files of the classes of ``model``'s modules (every class of each one's MRO) and of the functions that
+    replaced their forwards, and the folders of the packages those classes come from (transformers' for a
+    Hugging Face model: its helpers compile after a graph break inside the model); torch's folder always."""
+    files: set[str] = set()
+    folders = {_TORCH}
+    for m in model.modules():
+        code = getattr(_unwrapped(getattr(m, "__dict__", {}).get("forward")), "__code__", None)
+        if isinstance(code, types.CodeType):
+            files.add(os.path.abspath(code.co_filename))
+        for cls in type(m).__mro__:
+            module = sys.modules.get(cls.__module__)
+            path = getattr(module, "__file__", None)
+            if path:
+                files.add(os.path.abspath(path))
+            top = getattr(sys.modules.get(cls.__module__.partition(".")[0]), "__file__", None)
+            if "." in cls.__module__ and top:  # a package's module: the package's folder
+                folders.add(os.path.dirname(os.path.abspath(str(top))) + os.sep)
+    return files, tuple(folders)
+
+
+def _unwrapped(fn: object) -> object:
+    """The function a wrapper (``functools.wraps``: Dynamo's, a decorator's) wraps, innermost; None stays None."""
+    try:
+        return inspect.unwrap(fn) if callable(fn) else fn  # type: ignore[arg-type]
+    except ValueError:  # a cycle of __wrapped__
+        return fn
+
+
+def _code_said(code: types.CodeType, path: str) -> str:
+    """A compiled code object in words: "the optimizer's step" for ``torch.optim``'s, else its function's
+    qualified name and file ("Trainer.loss (train.py)", a nested one by its own name), a resumed frame by the function it resumes."""
+    if path.startswith(_OPTIM):
+        return (
+            "the learning-rate scheduler's step"
+            if os.path.basename(path) == "lr_scheduler.py"
+            else "the optimizer's step"
+        )
+    name = code.co_name
+    if name.startswith(_RESUME):
+        name = name[len(_RESUME) :].rpartition("_at_")[0] or name
+    else:  # a nested function by its own name, not its enclosing one's ("loss_fn", not "main.<locals>.loss_fn")
+        name = str(getattr(code, "co_qualname", name)).rpartition("<locals>.")[2]
+    return f"{name} ({os.path.basename(path)})"

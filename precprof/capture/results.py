@@ -20,7 +20,7 @@ from precprof._version import __version__
 from precprof.capture import arguments, attached, resumed, unsaved
 from precprof.capture.block_budget import BlockDeal
 from precprof.capture.collect import Collector
-from precprof.capture.compiled_facts import compiled_parts
+from precprof.capture.compiled_facts import compiled_elsewhere, compiled_parts
 from precprof.capture.model_facts import (
     FP8_WHATIF_RECIPE,
     block_recipes,
@@ -318,6 +318,7 @@ class ProfilerResults:
             "scaler_growth_interval": _compat.scaler_growth_interval(self.scaler),
             **self.wrappers_said,  # scaler_from (a GradScaler not given, found on a wrapper: where), its request
             "compiled": compiled_parts(self.model),
+            "compiled_elsewhere": compiled_elsewhere(self.model, self._stance.entries_before),
             "loop_stance": self._stance.summary(),  # a stance the loop set itself
             "loop_order": self._loop.summary(),  # prof.step() misplaced, an optimizer not followed (loop_order.py)
             "dropout_layers": dropout_layers(self.model),

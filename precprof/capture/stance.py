@@ -38,6 +38,8 @@ class SampledStance:
         self._token: Any = None  # what precprof set and what it replaced (``_compat.restore_stance``)
         self._at_start: Any = self  # the loop's stance at the first step (not yet: self)
         self._compiled_before = False  # whether Dynamo held compiled code when the first step began
+        # its code objects then, with their compiled entries (``_compat.compiled_entries``; None: unreadable)
+        self.entries_before: dict[Any, int] | None = None
         self._unsampled_seen = False
         self._warm = False  # a step not sampled compiled nothing: fail_on_recompile stands from then on
         self._counted: tuple[int, int | None] | None = None  # (step, Dynamo's compiles at its start)
@@ -50,6 +52,7 @@ class SampledStance:
         if self._at_start is self:
             self._at_start = _compat.stance()
             self._compiled_before = _compat.compiled_code()
+            self.entries_before = _compat.compiled_entries()
         if sampled:
             self._token = _compat.force_eager()
             if self._token is None and _compat.stance() is not None:

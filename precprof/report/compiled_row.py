@@ -4,7 +4,9 @@ A sampled step runs ``torch.compile``d code eagerly (precprof sets ``torch.compi
 for it, and a stance is the whole process's), so the row says which steps ran compiled by what the run
 recorded: none sampled (every step compiled), every one sampled (none compiled), or some of each; it names
 the memory section's activations only where that section shows some, and the setting that samples fewer
-steps as the run set it (``precprof train``'s flag, the Profiler's or the callback's argument).
+steps as the run set it (``precprof train``'s flag, the Profiler's or the callback's argument). What else of the
+loop Dynamo compiled (``capture.compiled_elsewhere``: the optimizer's step, a loss) the sampled steps ran eagerly
+too: the row names it, beside the model or in its place.
 """
 
 from __future__ import annotations
@@ -78,7 +80,23 @@ def compiled_row(capture: Mapping[str, Any], cfg: Mapping[str, Any]) -> str:
             ", and so are the activations the memory section shows (the compiled graph saves others for its "
             "backward: inductor's partitioner recomputes some and keeps others)"
         )
+    elsewhere = _elsewhere(capture)  # (a run whose every step was sampled compiled nothing: none)
+    if elsewhere and sampled:
+        n = f"{F.count(sampled)} sampled step{'s' if sampled != 1 else ''}"
+        text += (
+            f". torch.compile also compiled {elsewhere}; a sampled step runs every compiled function of the loop "
+            "eagerly (the force_eager stance precprof sets for it is the whole process's), so on the "
+            f"{n} that code ran eagerly too, and what it computed there (a loss, a weight update) is eager "
+            "PyTorch's"
+        )
     return text + _random_note(capture, what)
+
+
+def _elsewhere(capture: Mapping[str, Any]) -> str:
+    """What Dynamo compiled during the run outside the model's source files (``capture.compiled_elsewhere``), in
+    words: "code outside the model's source files (the optimizer's step, loss_fn (train.py))"; "" without any."""
+    names = [str(n) for n in capture.get("compiled_elsewhere") or [] if n]
+    return f"code outside the model's source files ({', '.join(names)})" if names else ""
 
 
 def _random_note(capture: Mapping[str, Any], what: str) -> str:
@@ -104,9 +122,12 @@ def _other_compiled(capture: Mapping[str, Any], sampled: int | None) -> str:
     if not steps or not sampled:
         return ""
     n = f"{F.count(sampled)} sampled step{'s' if sampled != 1 else ''}"
+    # what Dynamo compiled outside the model's source files, where the capture could tell
+    names = ", ".join(str(x) for x in capture.get("compiled_elsewhere") or [] if x)
+    names = names or "a loss, the optimizer's step, a model the Profiler was not given"
     return (
         f"not the Profiler's model, but torch.compile compiled in {_unsampled_said(steps)}: something else "
-        "this loop runs is compiled (a loss, the optimizer's step, a model the Profiler was not given). A sampled "
+        f"this loop runs is compiled ({names}). A sampled "
         "step runs every compiled function of the loop eagerly (the force_eager stance precprof sets for it is "
         f"the whole process's), so on the {n} that code ran eagerly, and what it computed there (a loss, a "
         "weight update) is eager PyTorch's; the steps not sampled ran it compiled"
