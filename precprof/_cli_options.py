@@ -61,7 +61,12 @@ Overwrite = Annotated[
     bool, typer.Option("--overwrite", help="Replace the run(s) already in --out (other files there stay).")
 ]
 SampleEvery = Annotated[
-    int | None, typer.Option(help="Profile layers every N steps (default: about 100 sampled steps per run).")
+    int | None,
+    typer.Option(
+        help="Profile layers every N steps; 0 records the steps only (loss, time): no step is sampled, no layer "
+        "statistics (default: about 100 sampled steps per run; every second step at least when the model is "
+        "compiled, as a sampled step runs it eagerly)."
+    ),
 ]
 Progress = Annotated[bool, typer.Option(help="Show the progress bar.")]
 Report = Annotated[bool, typer.Option(help="Write report.html for each run.")]

@@ -942,6 +942,19 @@ def test_help_and_version(capsys: pytest.CaptureFixture[str]) -> None:
     assert rc == 0 and "--precision" in out and "--loss-scale" in out
 
 
+def test_the_sample_every_help_says_what_0_records(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--sample-every``'s help said the interval and its default, not that 0 records the steps alone (no
+    sampled step: no layer statistics), as the Profiler's argument and the README say (tester t4)."""
+    monkeypatch.setenv("COLUMNS", "200")
+    rc, out, _ = run_main(["train", "--help"], capsys)
+    words = " ".join(out.replace("│", " ").split())
+    assert rc == 0
+    assert "0 records the steps only (loss, time): no step is sampled, no layer statistics" in words
+    assert "every second step at least when the model is compiled" in words
+
+
 def test_python_dash_m_and_exit_code() -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     ok = subprocess.run(
