@@ -126,6 +126,32 @@ def run_scenario(scenario: str, rank: int, out: Path) -> None:
     (out / f"{scenario}-rank{rank}.json").write_text(json.dumps(dump))
 
 
+def run_shard_scale(scenario: str, rank: int, out: Path) -> None:
+    """FSDP2 over a Linear(16, 32) whose rows 16..31, rank 1's shard, are 1e-6 of rank 0's (tester t6): at the
+    whole tensor's current scale they flush, at the shard's own they do not. One sampled step, lr 0; dumps the
+    full weight."""
+    from torch.distributed.fsdp import fully_shard
+
+    import precprof
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32, bias=False), nn.Linear(32, 4, bias=False))
+    with torch.no_grad():
+        model[0].weight[16:] *= 1e-6
+    full = model[0].weight.detach().clone()
+    fully_shard(model[0])
+    fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    prof = precprof.Profiler(model, optimizer=opt, sample_every=1, memory=False)
+    with prof:
+        model(torch.randn(8, 16)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        prof.step(loss=torch.tensor(0.0))
+    prof.save(out / scenario if rank == 0 else out / f"{scenario}-rank{rank}")
+    (out / f"{scenario}-rank{rank}.json").write_text(json.dumps({"weight": full.tolist()}))
+
+
 def run_join(rank: int, out: Path) -> None:
     """DDP's ``model.join()`` with uneven inputs: rank 0 has STEPS batches, rank 1 one fewer. Every step is
     sampled, so the last falls after rank 1 joined, when it runs only DDP's join hook."""
@@ -381,6 +407,8 @@ def main(argv: list[str]) -> None:
                     run_rank0_only(scenario, info.rank, out)
                 elif scenario == "cut":
                     run_cut(scenario, info.rank, out)
+                elif scenario == "fsdp2-shard-scale":
+                    run_shard_scale(scenario, info.rank, out)
                 else:
                     run_scenario(scenario, info.rank, out)
             except Exception:  # the same failure on every rank (no rank left waiting in a collective)

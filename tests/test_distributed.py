@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 import precprof
+from precprof import formats
 from precprof import stats as st
 from precprof import tables as T
 from precprof.capture.reducer import RankReducer, _row_layout, wrapper_info
@@ -45,7 +46,7 @@ HERE = Path(__file__).parent
 SCENARIOS = ("ddp", "fsdp2", "fsdp2-bf16")
 TRAIN_SCENARIOS = ("train-ddp", "train-fsdp2")
 # run, not counted layer by layer against the one-process reference (each has tests of its own below)
-OTHER_SCENARIOS = ("fsdp1", "fsdp1-orig", "fsdp1-orig-scaled", "zero", "ddp-join")
+OTHER_SCENARIOS = ("fsdp1", "fsdp1-orig", "fsdp1-orig-scaled", "zero", "ddp-join", "fsdp2-shard-scale")
 ALONE_SCENARIOS = ("rank0-only",)  # a Profiler on rank 0 alone, refused at attach: no run directory
 CUT_SCENARIOS = ("cut",)  # cut off before it saved: its first summary.json and its stream
 CLAIM_SCENARIOS = ("train-claim-fail",)  # rank 0 cannot create its run directory: every rank stops at once
@@ -1216,3 +1217,44 @@ def test_a_resumed_distributed_run_counts_the_runs_sampled_steps_reduced(
     assert sampled == 4
     distributed = T.read_summary(tmp_path / "run")[T.SUMMARY_CAPTURE]["distributed"]
     assert distributed["sampled_steps_reduced"] == sampled
+
+
+def test_fsdp2_weights_fp8_counts_are_said_to_be_the_shards(runs: Path) -> None:
+    """Under FSDP2 a weight row sums each rank's shard counted at its own amax (tester t6: a Linear whose rows on
+    rank 1 were 1e-6 of rank 0's flushed 256 of 512 values in a real cast at the whole tensor's scale, 0 in the
+    row): the summary says so, and the advisor's FP8 figures of the weight are the whole tensor's: the values it
+    flushes (every one in a binade wholly under the whole tensor's limit), and a lost-norm bound that bounds the
+    real cast's (it was 0)."""
+    from precprof.analysis.advisor import AdvisorConfig, _load, _prepare
+    from precprof.analysis.advisor.evidence import _Run
+    from precprof.analysis.advisor.rules import fp8
+    from precprof.hardware import preset
+
+    rdir = run_dir(runs, "fsdp2-shard-scale")
+    tables, summary = _load(rdir, None)
+    said = summary["capture"]["distributed"]["semantics"]["fp8_current_scaling"]
+    assert "each rank's shard at its own amax, not the whole tensor's" in said
+    assert "column block crossing a shard boundary" in said
+    ddp = T.read_summary(run_dir(runs, "ddp"))["capture"]["distributed"]["semantics"]
+    assert ddp["fp8_current_scaling"] == "each call at its own amax"
+    from precprof.report.environment import distributed_rows
+
+    assert dict(distributed_rows(summary["capture"]["distributed"]))["FP8 and block what-ifs"] == said
+    # the real cast: the whole weight at its one power-of-two current scale
+    w = torch.tensor(json.loads((runs / "fsdp2-shard-scale-rank0.json").read_text())["weight"])
+    k = formats.current_scaling_exponent(formats.FP8_E4M3, float(w.abs().max()))
+    q = (w * 2.0**k).to(torch.float8_e4m3fn).float() / 2.0**k
+    flushed = int(((q == 0) & (w != 0)).sum())
+    lost = float(w[q == 0].norm() / w.norm())
+    assert flushed == 256
+    layers = tables["layers"]
+    row = layers[(layers[T.MODULE] == "0") & (layers[T.TENSOR] == T.WEIGHT)]
+    assert row[T.underflow_cs_col("fp8_e4m3")].tolist() == [
+        0
+    ]  # the shards' own: said, not the whole tensor's
+    run = _Run(*_prepare(tables), summary, preset("h100"), True, AdvisorConfig())
+    assert fp8._sharded(run)
+    got = fp8.fp8_losses(run, ["0"], {})
+    got = got[got[T.TENSOR] == T.WEIGHT].iloc[0]
+    assert got["lost_values"] == flushed / w.numel()
+    assert lost <= got["lost_norm"] < 1e-4

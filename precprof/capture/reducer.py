@@ -28,21 +28,17 @@ What the numbers mean (also in ``summary.json`` under ``capture.distributed.sema
   With ``use_orig_params=True`` FSDP1 sets each parameter's ``.grad`` to its reduce-scattered shard outside
   autograd: weight gradients are read in the optimizer's step pre-hook, the shards as the optimizer gets them.
 - fp8 underflow after per-tensor current scaling is counted per call, each tensor with its own amax, so per
-  rank and, under FSDP, per shard (each rank's shard scaled by its own amax), then summed.
+  rank and, under FSDP, per shard (fewer flushes than the whole weight's one amax gives; block what-ifs: blocks
+  within a shard), then summed; the histogram cannot make it the whole tensor's: ``_SHARD_SCALING`` says so.
 - The steps table (loss, loss scale, skipped, grad norm, time) is rank 0's: the loss is what rank 0 passed to
   ``Profiler.step`` (its local loss unless the training loop passes a reduced one).
 - The memory table is rank 0's; ``capture.distributed.memory_by_rank`` holds every rank's last sampled step
   when the Profiler hands its memory rows to ``reduce_memory``.
-
-Crashes: a rank unwinding from an exception does not enter collectives (the other ranks may never reach them
-and every rank would hang); it reduces its own rows only and says so.
-
-Uneven inputs: a rank that ran out of batches inside DDP's ``model.join()`` (or a ``Join`` of other
-Joinables) runs only the collectives of the Joinables' join hooks, which shadow DDP's, not precprof's: a
-reduction would meet DDP's collectives on that rank (gloo aborts the job, NCCL can hang or mix buffers). So
-once a Joinable the reducer watches (the wrapper, the Profiler's model and optimizers) is in a join context,
-every rank keeps its own statistics from that sampled step on (``local_only``; the summary counts those steps in
-``sampled_steps_local`` and says why): training goes on as it would without precprof.
+Crashes: a rank unwinding from an exception enters no collective (the others may never reach it): its own rows.
+Uneven inputs: a rank out of batches inside DDP's ``model.join()`` (or a ``Join``) runs only its Joinables' join
+hooks' collectives, not precprof's (gloo aborts, NCCL can hang or mix buffers): once a Joinable the reducer watches
+(the wrapper, the Profiler's model and optimizers) is in a join context, every rank keeps its own statistics
+(``local_only``, ``sampled_steps_local``, and why): training goes on as it would without precprof.
 """
 
 from __future__ import annotations
@@ -527,7 +523,8 @@ class RankReducer:
                 if wrapper == "FSDP1"
                 else "each rank's local gradient, read before DDP's all-reduce (numel = world_size x parameter size)"
             ),
-            "weights": _weights_said(wrapper, str(info.get("sharding") or "")),
+            "weights": (weights := _weights_said(wrapper, str(info.get("sharding") or ""))),
+            "fp8_current_scaling": _SHARD_SCALING if weights != _REPLICAS else "each call at its own amax",
             "steps": "rank 0's: loss, loss scale, skipped, grad norm and time as rank 0 saw them",
             "memory": "rank 0's table; memory_by_rank has every rank's totals of the last sampled step",
         }
@@ -551,6 +548,11 @@ class RankReducer:
 
 
 _REPLICAS = "every rank's replica (numel = world_size x parameter size; fractions are a replica's)"
+_SHARD_SCALING = (  # the histogram cannot recount a shard at the whole tensor's amax (exact powers of two)
+    "weights: each rank's shard at its own amax, not the whole tensor's (a tensorwise FP8 recipe's under FSDP), "
+    "then summed: a shard of small values flushes fewer (the advisor bounds the whole tensor's from the histogram); "
+    "block what-ifs: blocks within each shard (a column block crossing a shard boundary is two); others: per call"
+)
 
 
 def _weights_said(wrapper: Any, sharding: str) -> str:

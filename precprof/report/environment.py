@@ -1148,6 +1148,7 @@ def distributed_rows(d: Mapping[str, Any], autocast: Mapping[str, Any] | None = 
         "activation_gradients": "activation gradients",
         "weights": "weights",
         "weight_gradients": "weight gradients",
+        "fp8_current_scaling": "FP8 and block what-ifs",
         "optimizer_states": "optimizer states",
         "steps": "steps",
     }

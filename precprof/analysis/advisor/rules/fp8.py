@@ -95,8 +95,9 @@ def fp8_losses(run: _Run, modules: list[str], inputs: Mapping[str, list[str]]) -
     GEMMs would read it in loses: its weight and its input (tensor ``INPUT``: the output of each module in
     ``inputs[module]``, which its GEMM read) in e4m3, its output gradient in e5m2. Columns: ``lost_norm`` (upper
     bound of the share of the L2 norm lost to underflow), ``lost_values`` (share of the nonzero finite values
-    flushed, exact), ``pushed`` and ``below`` (``_pushed_share``; ``pushed`` of a row of one call, its value for a
-    row of several in ``pushed_pooled``: ``_pooled``), ``floored`` (its largest value is under torchao's amax
+    flushed, exact; of an FSDP weight's shards, those of the binades wholly under its limit: ``_sharded``),
+    ``pushed`` and ``below`` (``_pushed_share``; ``pushed`` of a row of one call, its value for a row of several
+    in ``pushed_pooled``: ``_pooled``), ``floored`` (its largest value is under torchao's amax
     floor, ``formats.FP8_AMAX_FLOOR``: the scale its figures assume is the floor's, not its own amax's), ``side``
     ("forward": input and weight; "backward": output gradient)."""
     lay = run.layers
@@ -137,13 +138,22 @@ def fp8_losses(run: _Run, modules: list[str], inputs: Mapping[str, list[str]]) -
     # scale: the values of the binades wholly under the limit flush all the same, and are at least that many
     below_limit = lost_norm.count_below(h[T.EXPONENT].to_numpy(), h[T.COUNT].to_numpy(), group, limit)
     flushed = np.where(current_scaling.under_floor(amax), np.maximum(flushed, below_limit), flushed)
+    # FSDP's weight rows sum each rank's shard counted at its own amax's scale, which flushes no more than the
+    # whole tensor's (its amax, the row's, is at least the shard's): the whole tensor flushes at least the values
+    # of the binades wholly under its limit, and at most those and its limit's binade (the values exactly on it)
+    shards = _sharded(run) & (rows[T.TENSOR] == T.WEIGHT).to_numpy()
+    lost = flushed
+    if shards.any():
+        upto_edge = lost_norm.count_below(h[T.EXPONENT].to_numpy(), h[T.COUNT].to_numpy(), group, limit + 1)
+        lost = np.where(shards, np.maximum(flushed, upto_edge), flushed)
+        flushed = np.where(shards, np.maximum(flushed, below_limit), flushed)
     share = lost_norm.lost_share_bound(
         h[T.EXPONENT].to_numpy(),
         h[T.COUNT].to_numpy(),
         group,
         limit,
-        lost=flushed,
-        exact=(rows[T.CALLS].to_numpy(dtype=float) <= 1),
+        lost=lost,
+        exact=(rows[T.CALLS].to_numpy(dtype=float) <= 1) & ~shards,
     )
     nonzero = (rows[T.NUMEL] - rows[T.ZEROS] - rows[T.NAN] - rows[T.INF]).clip(lower=0).to_numpy(dtype=float)
     pushed, below = _pushed_share(h, group, nonzero, amax, is_grad)
@@ -170,6 +180,18 @@ def fp8_losses(run: _Run, modules: list[str], inputs: Mapping[str, list[str]]) -
     as_input = as_input.drop(columns=T.MODULE).rename(columns={"_reader": T.MODULE})
     as_input[T.TENSOR] = INPUT
     return pd.concat([mine[mine[T.MODULE].isin(modules)], as_input[out.columns]], ignore_index=True)
+
+
+def _sharded(run: _Run) -> bool:
+    """Whether the run's weight rows are FSDP's shards (FSDP2, FSDP1 but ``NO_SHARD``), each rank's counted at its
+    own amax's scale (``capture.distributed.semantics``): their FP8 current-scaling counts are the shards', not
+    the whole tensor's that a tensorwise recipe casts at one scale."""
+    capture = run.summary.get(T.SUMMARY_CAPTURE) or {}
+    dist = capture.get("distributed") if isinstance(capture, Mapping) else None
+    if not isinstance(dist, Mapping):
+        return False
+    wrapper = dist.get("wrapper")
+    return wrapper == "FSDP2" or (wrapper == "FSDP1" and dist.get("sharding") != "NO_SHARD")
 
 
 def made_more_often(run: _Run, modules: list[str], inputs: Mapping[str, list[str]]) -> pd.DataFrame:
@@ -217,7 +239,9 @@ def _pooled(calls: np.ndarray, tensor: np.ndarray) -> np.ndarray:
     """Which rows the outlier check cannot judge: those of several calls a step (gradient accumulation's
     micro-batches, a layer called more than once, several ranks), but a weight's: every call of a step reads the
     same weight (the optimizer changes it between steps; DDP's ranks hold the same one; FSDP's shards make the one
-    a cast reads, whose largest value is the shards'), so its pooled row is each call's (under DDP every weight was
+    a cast reads, whose largest value, the row's, is the shards': each shard's current-scaling count, at its own
+    amax, is not the whole tensor's, and ``fp8_losses`` bounds that from the histogram), so its pooled row is each
+    call's (under DDP every weight was
     left unjudged, its row summing the 2 ranks' calls). Such a row sums the calls' histograms and keeps
     the largest value of them all, so ``_pushed_share`` reads every call at the scale of the call with the
     largest value, where a tensorwise recipe (torchao's Float8Linear, Transformer Engine's current scaling) scales
