@@ -1258,3 +1258,14 @@ def test_fsdp2_weights_fp8_counts_are_said_to_be_the_shards(runs: Path) -> None:
     got = got[got[T.TENSOR] == T.WEIGHT].iloc[0]
     assert got["lost_values"] == flushed / w.numel()
     assert lost <= got["lost_norm"] < 1e-4
+
+
+@pytest.mark.parametrize("scenario", ["ddp", "fsdp2"])
+def test_calls_are_summed_over_ranks_for_every_kind_of_parameter_row(runs: Path, scenario: str) -> None:
+    """Every row's ``calls`` is summed over the ranks, the weight updates' too (tester t6: under DDP a
+    weight_update row's numel summed both ranks' samples while its calls were rank 0's 1 optimizer step, so
+    numel / calls was twice the elements sampled per update)."""
+    layers = T.read_tables(run_dir(runs, scenario))["layers"]
+    for kind in (T.WEIGHT, T.WEIGHT_GRAD, T.WEIGHT_UPDATE):
+        rows = layers[layers[T.TENSOR] == kind]
+        assert len(rows) and (rows[T.CALLS] == W.WORLD).all(), (kind, rows[T.CALLS].tolist())

@@ -5,8 +5,9 @@ torch's optimizers skip a parameter that has no gradient at their step (a batch 
 forward did not reach under ``zero_grad(set_to_none=True)``).
 
 The ``weight_update`` rows' ``calls`` are these counts: the optimizer steps with a nonzero learning rate and a
-gradient that the row's update adds up (0: the row's parameter was idle on every one of them, and its
-update-to-weight ratio of 0 says nothing of how the layer trains). Read on the host from the param groups (the
+gradient that the row's update adds up, summed over the ranks as every row's ``calls`` are (``updates.combined``;
+0: the row's parameter was idle on every one of them, and its update-to-weight ratio of 0 says nothing of how the
+layer trains). Read on the host from the param groups (the
 learning rate in the optimizer's pre-hook, the gradients in its post-hook, once a closure has made them) of a
 sampled step: nothing on an unsampled step, no sync.
 """

@@ -514,15 +514,17 @@ class UpdateSampler:
         return out, sizes
 
     def combined(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """[tracked, 5] int64 counts and float64 sizes on the one device the parameters are on (else
-        ``device``), for the collectives; copies across devices when the groups live on several."""
+        """[tracked, 6] int64 counts (the 6th: ``calls``, the optimizer steps, to be summed over the ranks as every
+        row's are) and float64 sizes on the one device the parameters are on (else ``device``), for the
+        collectives; copies across devices when the groups live on several."""
         dev = self._groups[0].device if len(self._groups) == 1 else self.device
         rows = max(len(self.tracked), 1)
-        out = torch.zeros((rows, 5), dtype=torch.int64, device=dev)
+        out = torch.zeros((rows, 6), dtype=torch.int64, device=dev)
+        out[self._update_idx, 5] = torch.from_numpy(self._steps.counts).to(dev)
         sizes = update_sizes.empty(rows, dev)
         for g in self._groups:
             idx = torch.tensor([ps.update_index for ps in g.members], dtype=torch.int64, device=dev)
-            out.index_copy_(0, idx, g.counts.to(dev))
+            out[:, :5].index_copy_(0, idx, g.counts.to(dev))
             sizes.index_copy_(0, idx, g.sizes.to(dev))
         return out, sizes
 
@@ -546,9 +548,8 @@ class UpdateSampler:
         cols.update(
             {
                 T.STEP: np.full(n, step, dtype=np.int64),
-                T.CALLS: self._steps.counts[
-                    keep
-                ],  # optimizer steps with a nonzero learning rate and a gradient (update_steps)
+                # optimizer steps with a nonzero learning rate and a gradient (update_steps), summed over ranks
+                T.CALLS: c[keep, 5] if c.shape[1] > 5 else self._steps.counts[keep],
                 T.NUMEL: c[keep, 0].copy(),
                 T.ZEROS: c[keep, 1].copy(),
                 T.LOST_UPDATE_BF16: c[keep, 2].copy(),
