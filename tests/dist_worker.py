@@ -172,40 +172,68 @@ def run_join(rank: int, out: Path) -> None:
 TRAIN_STEPS = 4
 
 
-# "rank0-only": how long rank 0's Profiler, attached on rank 0 alone, waits for rank 1's (60 s in a real run)
-ALONE_WAIT_S = 1.0
+# "rank0-only": how long an attaching rank waits before it warns (60 s in a real run), and the process group's
+# timeout, as rank 0's store says it while it attaches alone (gloo's 30 minutes by default)
+ALONE_WAIT_S = 0.5
+ALONE_LIMIT_S = 3.0
 
 
 def run_rank0_only(scenario: str, rank: int, out: Path) -> None:
     """A Profiler attached on rank 0 alone (``if rank == 0: prof = Profiler(...)``, a script's "log on rank 0"
-    habit) under DDP: refused at attach, its fix in the line (it left rank 0 in precprof's all-reduce and rank 1 in
-    DDP's until the group's timeout); its message in ``OUT/rank0-only-rank0.said``. Then a Profiler on every rank,
-    attached twice (two ``with`` blocks, one sampled step each): each attach meets the other rank's, the refused
-    one counted as none; the steps it recorded in ``OUT/rank0-only-rank<rank>.steps``."""
+    habit) under DDP: after ``ALONE_WAIT_S`` a warning names rank 1 and the fix, and past the group's timeout the
+    attach is refused, its fix in the line (it left rank 0 in precprof's all-reduce and rank 1 in DDP's until the
+    group's timeout); its warnings and message in ``OUT/rank0-only-rank0.said``. Then a Profiler on every rank,
+    attached twice (two ``with`` blocks, one sampled step each), rank 1 the first time ``3 * ALONE_WAIT_S`` after
+    rank 0 (rank 0 evaluating alone first, say): valid usage, met after rank 0's warning (a fixed wait had refused
+    both ranks, each blaming the other: reviewer r1); the refused attach counted as none; the steps it recorded in
+    ``OUT/rank0-only-rank<rank>.steps``, rank 0's warnings in ``OUT/rank0-only-late.said``."""
+    import datetime
+    import time
+    import warnings
+
     import precprof
+    from precprof import _compat
     from precprof.capture import every_rank
     from precprof.errors import UserError
 
     model = _wrap(build_model(), "ddp")
     opt = make_optimizer(model.parameters())
-    if rank == 0:
-        wait, every_rank.ATTACH_WAIT_S = every_rank.ATTACH_WAIT_S, ALONE_WAIT_S
-        try:
-            alone = precprof.Profiler(model, optimizer=opt, out=out / scenario)
-            alone.attach()
-            alone.detach()
-        except UserError as e:
-            (out / f"{scenario}-rank0.said").write_text(str(e))
-        finally:
-            every_rank.ATTACH_WAIT_S = wait
-    dist.barrier()  # (rank 1 attaches nothing before rank 0 was refused)
-    prof = precprof.Profiler(model, optimizer=opt, sample_every=1)
-    for step in range(2):
-        with prof:
-            x, y = batch(step, rank)
-            backward_and_step(nn.functional.mse_loss(model(x), y), opt, None)
-            opt.zero_grad(set_to_none=True)
-            prof.step(tokens=BATCH)
+    store = _compat.default_store()
+    wait, every_rank.ATTACH_WAIT_S = every_rank.ATTACH_WAIT_S, ALONE_WAIT_S
+    try:
+        if rank == 0:
+            limit = store.timeout
+            store.set_timeout(datetime.timedelta(seconds=ALONE_LIMIT_S))
+            said: list[str] = []
+            try:
+                with warnings.catch_warnings(record=True) as seen:
+                    warnings.simplefilter("always")
+                    alone = precprof.Profiler(model, optimizer=opt, out=out / scenario)
+                    alone.attach()
+                    alone.detach()
+            except UserError as e:
+                said.append(str(e))
+            finally:
+                store.set_timeout(limit)
+            warned = [str(w.message) for w in seen if "attached a Profiler" in str(w.message)]
+            (out / f"{scenario}-rank0.said").write_text("\n".join(warned + said))
+        dist.barrier()  # (rank 1 attaches nothing before rank 0 was refused)
+        prof = precprof.Profiler(model, optimizer=opt, sample_every=1)
+        for step in range(2):
+            if rank == 1 and step == 0:
+                time.sleep(3 * ALONE_WAIT_S)
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                with prof:
+                    x, y = batch(step, rank)
+                    backward_and_step(nn.functional.mse_loss(model(x), y), opt, None)
+                    opt.zero_grad(set_to_none=True)
+                    prof.step(tokens=BATCH)
+            if rank == 0 and step == 0:
+                warned = [str(w.message) for w in seen if "attached a Profiler" in str(w.message)]
+                (out / f"{scenario}-late.said").write_text("\n".join(warned))
+    finally:
+        every_rank.ATTACH_WAIT_S = wait
     (out / f"{scenario}-rank{rank}.steps").write_text(str(prof.current_step))
 
 

@@ -1079,15 +1079,25 @@ def test_the_run_of_a_rank_whose_peer_failed_gives_that_ranks_error(runs: Path) 
 def test_a_profiler_attached_on_rank_0_alone_is_refused_with_its_fix(runs: Path) -> None:
     """``if rank == 0: prof = Profiler(...)`` under DDP: rank 0 waited in precprof's all-reduce of step 0 and rank 1
     in DDP's next collective until the group's timeout (gloo's default: 30 minutes), then gloo's "Timed out waiting
-    20000ms for recv" said nothing of the fix (tester t6). Rank 0's attach is refused once rank 1 has not attached
-    within the wait, in one line that says the fix; its run directory goes with it. A Profiler then attached on
-    every rank, twice, meets the other rank's each time and records both steps."""
-    said = (runs / "rank0-only-rank0.said").read_text()
-    assert said == (
-        f"rank 0 attached a Profiler but rank 1 did not within {W.ALONE_WAIT_S:g} s: attach it on every rank (or "
-        "pass reducer=None to profile this rank alone)"
+    20000ms for recv" said nothing of the fix (tester t6). Rank 0 warns, naming rank 1 and the fix, once rank 1 has
+    not attached within the wait, and is refused past the process group's timeout, in one line that says the fix;
+    its run directory goes with it. A Profiler then attached on every rank, twice, rank 1 late the first time,
+    meets the other rank's each time (after rank 0's warning: a fixed wait had refused both ranks, each blaming the
+    other, reviewer r1) and records both steps."""
+    warning = (
+        f"precprof: rank 0 attached a Profiler {W.ALONE_WAIT_S:g} s ago and waits for rank 1 to attach theirs, up to "
+        "the process group's timeout ({limit:g} s): every rank attaches a Profiler (or passes reducer=None to profile "
+        "itself alone)"
     )
+    said = (runs / "rank0-only-rank0.said").read_text().splitlines()
+    assert said == [
+        warning.format(limit=W.ALONE_LIMIT_S),
+        f"rank 0 attached a Profiler but rank 1 did not within the process group's timeout ({W.ALONE_LIMIT_S:g} s): "
+        "attach it on every rank (or pass reducer=None to profile this rank alone)",
+    ]
     assert not (runs / "rank0-only").exists()
+    late = (runs / "rank0-only-late.said").read_text().splitlines()
+    assert len(late) == 1 and late[0].startswith(warning.split(" up to ")[0]), late
     assert [(runs / f"rank0-only-rank{r}.steps").read_text() for r in range(W.WORLD)] == ["2", "2"]
 
 
