@@ -279,3 +279,36 @@ def test_torchs_log_is_not_held_where_the_user_asked_for_it(monkeypatch: pytest.
     assert len(handler.filters) == 1  # held where nobody asked for torch's log
     held.close()
     assert handler.filters == []
+
+
+def test_the_writing_rank_keeps_the_failing_ranks_traceback_when_it_was_interrupted_or_failed_too(
+    tmp_path: Path,
+) -> None:
+    """Reviewer r1: a rank whose model raised says "rank 0 writes its traceback into RUN/traceback.txt" and leaves
+    it in the group's store; rank 0 wrote it there only where its own error was the lost peer. Interrupted (torchrun's
+    SIGTERM while rank 0 was in a long forward) it wrote no traceback.txt, and failing on its own error too (a bug
+    every rank hits) the file held rank 0's alone: the failing rank's traceback was nowhere. It is in the file in
+    both cases, after rank 0's own where it has one."""
+    from precprof.training import failure
+
+    theirs = 'Traceback (most recent call last):\n  File "model.py", line 10, in forward\nRuntimeError: rank 1 bad\n'
+    interrupted = tmp_path / "interrupted"
+    interrupted.mkdir()
+    assert failure.peers_too(None, interrupted, 0, (1, theirs)) is None
+    text = (interrupted / T.TRACEBACK_FILE).read_text()
+    assert text.endswith("# rank 1's, which failed first:\n" + theirs) and "rank 0" not in text
+
+    both = tmp_path / "both"
+    both.mkdir()
+    try:
+        raise RuntimeError("rank 0 bad")
+    except RuntimeError as e:
+        kept = failure.keep(e, nn.Linear(1, 1), "builtin", both, 3, failure.FORWARD)
+    assert kept.traceback is not None and "rank 1 bad" not in kept.traceback.read_text()
+    kept = failure.peers_too(kept, both, 0, (1, theirs))
+    assert kept is not None and kept.traceback is not None
+    text = kept.traceback.read_text()
+    assert "# rank 0's:\n" in text and text.index("rank 0 bad") < text.index("# rank 1's, which failed too:")
+    assert text.endswith(theirs) and kept.trace in text
+    assert kept.where() == f"its traceback is in {kept.traceback} (then rank 1's)"
+    assert failure.peers_too(kept, both, 0, None) is kept  # no traceback in the store: as it was

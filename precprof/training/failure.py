@@ -118,6 +118,28 @@ def caused_by_peer(kept: Failure, cause: str, rank: int, peer: tuple[int, str] |
     )
 
 
+def peers_too(kept: Failure | None, run_dir: Path, rank: int, peer: tuple[int, str] | None) -> Failure | None:
+    """The writing rank's ``kept`` (None: it was interrupted, torchrun's SIGTERM after another rank failed) where
+    another rank left its traceback in the store (``peer``) and this rank's error is not that rank's consequence:
+    traceback.txt holds that rank's too, after this rank's own where it has one (a failing rank said "rank 0 writes
+    its traceback into ..." of a file that then held rank 0's alone, or was never written: reviewer r1)."""
+    if peer is None:
+        return kept
+    other, theirs = peer
+    if kept is None:
+        rundir.write_traceback(run_dir, f"# rank {other}'s, which failed first:\n{theirs.rstrip()}\n")
+        return kept
+    if kept.traceback is None:  # (a full disk: the terminal shows this rank's)
+        return kept
+    text = (
+        f"# rank {rank}'s:\n{kept.trace.rstrip()}\n\n# rank {other}'s, which failed too:\n{theirs.rstrip()}\n"
+    )
+    path = rundir.write_traceback(kept.traceback.parent, text)
+    if path is None:
+        return kept
+    return dataclasses.replace(kept, traceback=path, trace=text, said=f"{kept.said} (then rank {other}'s)")
+
+
 def exit_call(code: object) -> str:
     """sys.exit()'s call as the user wrote it, its text left out: "sys.exit()", "sys.exit(3)", "sys.exit"."""
     return "sys.exit()" if code is None else f"sys.exit({code})" if isinstance(code, int) else "sys.exit"

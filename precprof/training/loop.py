@@ -772,10 +772,12 @@ def _run(s: _Setup, callbacks: Sequence[Callback], claimed: rundir.RunDir | None
                 if s.writer:
                     own = reason
                     reason = launch.failure_cause(s.dist_info, e, reason, interrupted is not None)
+                    peer = launch.peer_traceback(s.dist_info)
                     if kept is not None and reason != own:  # the terminal says it as the run does, in a line,
                         # and traceback.txt holds the failing rank's traceback first
-                        peer = launch.peer_traceback(s.dist_info)
                         kept = failure.caused_by_peer(kept, reason, s.dist_info.rank, peer)
+                    else:  # interrupted, or failed on its own: the failing rank's traceback is in the file too
+                        kept = failure.peers_too(kept, s.run_dir, s.dist_info.rank, peer)
                 elif interrupted is None:  # for rank 0's run, before this rank leaves the group
                     model_error = (
                         kept is not None and kept.blame == "model"
