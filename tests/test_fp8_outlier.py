@@ -8,6 +8,7 @@ token by 7% of its norm, against 2.7% without the outlier. The rule now counts t
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -263,7 +264,8 @@ def _loop_of_several_passes(kind: str) -> precprof.Profiler:
     called twice in one forward: LBFGS's closure evaluated 4 times (``lbfgs``); a GAN whose loop calls D on real
     and generated data, and backpropagates G's graph twice (``gan``: retain_graph=True); a WGAN whose critic steps
     twice per ``prof.step()`` (``critic``); and, as a contrast, gradient accumulation over 2 micro-batches of a
-    loop that calls a part of the model itself (``parts accumulated``: a LightningModule's training_step)."""
+    loop that calls a part of the model itself (``parts accumulated``: a LightningModule's training_step); the model
+    on two views of a batch, their losses summed into one backward (``two views``)."""
     torch.manual_seed(0)
     if kind == "lbfgs":
         model = _mlp(16, 1)
@@ -279,6 +281,17 @@ def _loop_of_several_passes(kind: str) -> precprof.Profiler:
                     return loss
 
                 opt.step(closure)  # type: ignore[no-untyped-call]
+                prof.step()
+        return prof
+    if kind == "two views":  # the model on two views of a batch, their losses summed into one backward
+        model = _mlp(16, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with precprof.Profiler(model, optimizer=opt, sample_every=1, memory=False) as prof:
+            for _ in range(2):
+                x = torch.randn(16, 16)
+                (model(x).square().mean() + model(x.flip(0) * 0.5).square().mean()).backward()
+                opt.step()
+                opt.zero_grad()
                 prof.step()
         return prof
     if kind == "parts accumulated":
@@ -316,7 +329,7 @@ def _loop_of_several_passes(kind: str) -> precprof.Profiler:
     return prof
 
 
-@pytest.mark.parametrize("kind", ["lbfgs", "gan", "critic", "parts accumulated"])
+@pytest.mark.parametrize("kind", ["lbfgs", "gan", "critic", "parts accumulated", "two views"])
 def test_the_layers_read_in_several_calls_a_step_are_said_by_the_loops_passes(kind: str) -> None:
     """One micro-batch on one rank, no layer called twice in a forward. The finding blamed "gradient
     accumulation's micro-batches, a layer called more than once, several ranks" and told LBFGS's run to profile
@@ -345,11 +358,17 @@ def test_the_layers_read_in_several_calls_a_step_are_said_by_the_loops_passes(ki
         assert prof.summary()[T.SUMMARY_STEP_PASSES] == {
             "model_forwards": {"least": 4, "most": 4},
             "closures": ["LBFGS"],
+            "closure_evaluations": 4,
         }
         assert (
             '2 layer(s) ("0", "2"): it was read in several calls a step (LBFGS\'s closure, evaluated up to 4 '
             "times an optimizer step, each evaluation a forward and backward)" in f.message
         )
+    elif kind == "two views":  # reviewer r2: "gradient accumulation's micro-batches", and its remedy
+        assert (
+            "it was read in several calls a step (2 forwards of the model a step into 1 backward pass (several "
+            "views or losses of a batch summed before one backward))" in f.message
+        ), f.message
     elif kind == "gan":
         assert prof.summary()[T.SUMMARY_STEP_PASSES]["model_forwards"] == {"least": 0, "most": 0}
         assert (
@@ -365,6 +384,56 @@ def test_the_layers_read_in_several_calls_a_step_are_said_by_the_loops_passes(ki
         )
     if kind != "gan":
         assert f.message.count("They cannot be judged per call in a run of this loop") == 1
+
+
+def test_lightnings_closure_run_once_a_step_is_no_cause_its_micro_batches_are(tmp_path: Path) -> None:
+    """Reviewer r1: Lightning's automatic optimization hands ``optimizer.step`` a closure that runs the last
+    micro-batch's training step once; with ``accumulate_grad_batches=4`` the finding blamed "SGD's closure,
+    evaluated up to 4 times an optimizer step" and withheld the remedy. A closure counts as passes of its own only
+    where it ran more than once in an optimizer step (LBFGS); here the cause is the micro-batches, with the
+    remedy, as a loop written by hand gets."""
+    L = pytest.importorskip("lightning")
+    from precprof.integrations.lightning import PrecprofCallback
+
+    class Module(L.LightningModule):  # type: ignore[misc,name-defined]
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = _mlp(16, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.net(x)
+
+        def training_step(self, batch: Any, i: int) -> torch.Tensor:
+            return self(batch[0]).square().mean()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    torch.manual_seed(0)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(64, 16)), batch_size=16)
+    out = tmp_path / "run"
+    trainer = L.Trainer(
+        max_steps=2,
+        accumulate_grad_batches=4,
+        callbacks=[PrecprofCallback(out=out, sample_every=1, report=False, memory=False)],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+    )
+    trainer.fit(Module(), data)
+    passes = T.read_summary(out)[T.SUMMARY_CAPTURE][T.SUMMARY_STEP_PASSES]
+    assert passes["model_forwards"] == {"least": 4, "most": 4} and passes["closures"] == [], passes
+    f = precprof.recommend(out, hardware="h100").finding("fp8_eligibility")
+    assert f is not None and "(gradient accumulation's micro-batches (4 forwards a step))" in f.message, (
+        f.message
+    )
+    assert "closure" not in f.message
+    assert (
+        "To judge them, profile a few steps of one micro-batch each (a run without gradient accumulation)"
+        in (f.message)
+    )
 
 
 @pytest.mark.parametrize(("micro_batches", "frozen"), [(1, False), (2, False), (1, True)])

@@ -193,11 +193,9 @@ class GradientReads:
 
         # the weights as they are before anything in the step moves them (SAM perturbs them, then calls the
         # closure); with a closure, the intent is read again once it ran
-        wrapped = after_closure(args, kwargs, after_closure_ran)
+        wrapped = after_closure(args, kwargs, after_closure_ran, self.loop.closure_counter(optimizer))
         if wrapped is None:
             grads()
-        else:
-            self.loop.closure_given(optimizer)
         if self.updates is not None:
             self.updates.before_step(k, optimizer)
             self.updates.carry.before(optimizer)

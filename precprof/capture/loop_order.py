@@ -79,6 +79,7 @@ class LoopOrder:
         # a step, least and most, and the classes of the followed optimizers given a closure
         self._forwards_seen: tuple[int, int] | None = None  # (least, most)
         self._closures: set[str] = set()
+        self._closure_most = 0  # the most evaluations of one of their closures in an optimizer step
         self._params: Mapping[int, Any] = {}  # the ids of the model's trained parameters
         # which parameters trained on the sampled steps (a layer unfrozen mid-run)
         self.trained = TrainedSeen()
@@ -127,9 +128,21 @@ class LoopOrder:
         """A training forward of the model itself begins (its outermost call, with grad, no evaluation)."""
         self._forwards += 1
 
-    def closure_given(self, optimizer: Any) -> None:
-        """A followed optimizer's step was given a closure (LBFGS, Lightning's automatic optimization)."""
-        self._closures.add(type(optimizer).__name__)
+    def closure_counter(self, optimizer: Any) -> Callable[[], None]:
+        """What counts the evaluations of the closure a followed optimizer's step was given: one evaluated more
+        than once in a step (LBFGS) makes passes of its own (``passes``); evaluated once, as Lightning's automatic
+        optimization runs the last micro-batch's training step, it makes none (its micro-batches were said to be
+        its closure's evaluations: reviewer r1)."""
+        name, count = type(optimizer).__name__, 0
+
+        def evaluated() -> None:
+            nonlocal count
+            count += 1
+            if count > 1:
+                self._closures.add(name)
+                self._closure_most = max(self._closure_most, count)
+
+        return evaluated
 
     def followed_stepped(self, optimizer: Any, after_forward: bool, applied: bool = True) -> None:
         """A followed optimizer stepped (its own post-hook); ``after_forward``: the step's forward had run;
@@ -259,12 +272,13 @@ class LoopOrder:
 
     def passes(self) -> dict[str, Any]:
         """For summary.json's ``capture.step_passes``: the model's own training forwards a sampled step (least and
-        most; 0 where the loop calls parts of the model itself), and the classes of the followed optimizers given
-        a closure, which runs the forward and backward several times an optimizer step (LBFGS)."""
+        most; 0 where the loop calls parts of the model itself), and the classes of the followed optimizers whose
+        closure ran the forward and backward several times in an optimizer step (LBFGS), with the most times."""
         seen = self._forwards_seen
         return {
             "model_forwards": {"least": seen[0], "most": seen[1]} if seen is not None else None,
             "closures": sorted(self._closures),
+            "closure_evaluations": self._closure_most or None,
         }
 
     def summary(self) -> dict[str, dict[str, Any]]:

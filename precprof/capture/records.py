@@ -318,12 +318,15 @@ class HostFloats:
         return out
 
 
-def after_closure(args: Any, kwargs: Any, fn: Callable[[], None]) -> tuple[Any, Any] | None:
+def after_closure(
+    args: Any, kwargs: Any, fn: Callable[[], None], each: Callable[[], None] | None = None
+) -> tuple[Any, Any] | None:
     """For an optimizer's step pre-hook (``args`` hold the optimizer first): the step's closure wrapped to call
     ``fn`` once, when it first returns, as the new (args, kwargs) the hook returns; None for a step without a
     closure. ``optimizer.step(closure)`` (Lightning's automatic optimization, LBFGS) runs the forward and backward
     inside the step, after its pre-hooks: what they read of the step (its gradients, where the optimizer's phase
-    begins) is there only once the closure has run, before any update (LBFGS calls it again after updates)."""
+    begins) is there only once the closure has run, before any update (LBFGS calls it again after updates).
+    ``each``: called at each evaluation (LBFGS's several, Lightning's one)."""
     if kwargs.get("closure") is not None:
         closure, where = kwargs["closure"], "kwargs"
     elif len(args) > 1 and callable(args[1]):
@@ -334,6 +337,8 @@ def after_closure(args: Any, kwargs: Any, fn: Callable[[], None]) -> tuple[Any, 
 
     def wrapped() -> Any:
         nonlocal done
+        if each is not None:
+            each()
         out = closure()
         if not done:
             done = True
