@@ -30,8 +30,11 @@ The rules, read from the OCP MX v1.0 spec and torchao 0.18 (``torchao.prototype.
   2^k >= fl32(amax / element max), so amax lands at or below the element max and nothing saturates except when
   that fp32 division rounds down. Blocks whose amax is 0 get k = -127, and so do rceil blocks whose
   fl32(amax / element max) is 0 (amax below the max times 2^-150: every k qualifies, the smallest is
-  taken, as torchao's clamped ceil(log2 0) = -inf and cvt.rp.satfinite.ue8m0 of 0 give; only FP8 E5M2
-  keeps a value there, from amax 2^-144 up).
+  taken, as torchao's clamped ceil(log2 0) and cvt.rp.satfinite.ue8m0 of 0 give). An rceil block whose k
+  is -127 (E8M0's stored exponent 0: fl32(amax / element max) <= 2^-127, an amax of at most the element max
+  times 2^-127) multiplies its values by 1, not 2^127, before the element cast, as Transformer Engine's
+  ``exp2f_rcp`` (1 for exponent 0) and torchao's RCEIL after it do, and dequantises with 2^-127: every
+  nonzero value there flushes (the largest, 57344 * 2^-127, is far below any element's smallest subnormal).
 - NVFP4 (block 16, FP4 E2M1 elements), two-level scaling as torchao's ``nvfp4_quantize`` and the NVIDIA
   recipe: per-tensor fp32 scale p = fl(amax_tensor / (448 * 6)); block scale s = E4M3(clamp(fl(fl(amax_block /
   6) / p), 2^-6, 448)); elements q = E2M1(clamp(x * fl(fl(1 / p) / s), -6, 6)); dequantised q * fl(p * s).
@@ -276,9 +279,10 @@ def _quantize(x: torch.Tensor, recipe: BlockRecipe, axis: int) -> tuple[torch.Te
             k = ex - 1 - fmt.max_exponent  # floor(log2 amax) - emax_elem
         k = torch.where((amax > 0) & ok, k, E8M0_MIN_EXPONENT).clamp(E8M0_MIN_EXPONENT, E8M0_MAX_EXPONENT)
         scale = _pow2(k)
-        scaled = (
-            xb / scale
-        )  # exact: a power of two (results below fp32's normals are far below half a subnormal)
+        # exact: a power of two (results below fp32's normals are far below half a subnormal)
+        scaled = xb / scale
+        if recipe.scale_mode == ScaleMode.RCEIL:  # E8M0's smallest scale: a factor of 1 (module docstring)
+            scaled = torch.where(k == E8M0_MIN_EXPONENT, xb, scaled)
         deq = round_to_element(scaled, fmt) * scale  # exact: a few significant bits times a power of two
         poisoned = ~ok
     else:  # NVFP4, torchao's arithmetic step by step (module docstring)

@@ -318,6 +318,10 @@ def ao() -> Ao:
         scale, data = mx.to_mx(x, dt, 32, mode)
         deq = mx.to_dtype(data, scale, dt, 32, torch.float32).reshape(x.shape)
         factor = 1 / mx.get_fp_scale(scale)  # exact: a power of two
+        if (
+            recipe.scale_mode == bf.ScaleMode.RCEIL
+        ):  # its smallest scale multiplies by 1 (Transformer Engine's)
+            factor = torch.where(scale.view(torch.uint8) == 0, 1.0, factor)
         return deq, factor.repeat_interleave(32, -1).reshape(x.shape)
 
     return quantize
@@ -455,14 +459,33 @@ def test_torchao_rceil_on_cpu_rounds_log2_in_fp32(ao: Ao) -> None:
     assert bits_equal(bf.quantize(x, recipe), deq)
 
 
-def test_torchao_rceil_smallest_scale_multiplies_by_one(ao: Ao) -> None:
-    # fl(2^-125 / 448) < 2^-127: both pick E8M0's smallest scale 2^-127. torchao (after Transformer Engine's
-    # ptx.cuh) multiplies such a block by 1.0 instead of 2^127, so every value flushes to zero; the exact rule
-    # gives 2^-125 / 2^-127 = 4 -> 4·2^-127 = 2^-125.
+def test_rceil_smallest_scale_multiplies_by_one_as_torchao_and_transformer_engine(ao: Ao) -> None:
+    # fl(2^-125 / 448) < 2^-127: E8M0's smallest scale 2^-127 (stored exponent 0). Transformer Engine's
+    # exp2f_rcp gives 1 for that exponent, not 2^127, and torchao's RCEIL follows it: the block is cast as it is,
+    # every value flushes to zero (E4M3's smallest subnormal is 2^-9), and dequantising multiplies by 2^-127.
     recipe = bf.MXFP8_E4M3.with_scale_mode("rceil")
     x = block([2.0**-125])
-    assert float(bf.quantize(x, recipe)[0, 0]) == 2.0**-125
+    assert float(bf.quantize(x, recipe)[0, 0]) == 0.0
     assert float(ao(x, recipe)[0][0, 0]) == 0.0
+    # a value alone in its block (about 2^-122.3) and a full block spread over [2^-122, 2^-121], beside
+    # ordinary blocks: with FP8's maxima fl(amax / max) rounds up to 2^-129 or below, clamped to -127, and
+    # every value flushes in rceil; FP6's and FP4's small maxima give scales of 2^-125 .. 2^-123, which keep
+    # them. Floor keeps them all (2^-121 / 2^-127 = 64; torchao's floor halves such blocks instead:
+    # test_torchao_floor_halves_blocks_below_the_smallest_e8m0_scale).
+    x = torch.zeros(4, 64)
+    x[0, 0] = -1.88079096131566e-37
+    x[1, :32] = 2.0**-121 * torch.linspace(0.5, 1, 32)
+    x[2, 5], x[3] = 1.0, torch.randn(64, generator=torch.Generator().manual_seed(4))
+    for name in MX_RECIPES:
+        agree_with_torchao(ao, x, bf.get_recipe(name, "rceil"))
+        s = bf.block_stats(x[:2], bf.get_recipe(name, "rceil"))
+        assert int(s["saturated"]) == 0, name
+        if name.startswith("mxfp8"):
+            assert int(s["flushed"]) == 33, name
+            assert float(s["sum_err2"]) == float(s["sum_x2"]) > 0, name
+        else:
+            assert int(s["flushed"]) < 33, name
+    assert int(bf.block_stats(x[:2], bf.MXFP8_E4M3)["flushed"]) == 0
 
 
 def test_torchao_keeps_inf_where_ocp_makes_the_block_nan(ao: Ao) -> None:

@@ -8,8 +8,9 @@ the C kernel and the Triton kernels (Triton's interpreter on CPU) must all give 
 
 The independent computation: MX (OCP MX v1.0 section 6.3) takes the shared exponent floor(log2 amax) -
 emax_elem and makes the scale a real ``float8_e8m0fnu`` cast of 2^k (E8M0 holds 2^-127 .. 2^127, so 2^-129 casts
-to 2^-127, the same clamp as OCP's reference code ``microxcaling``); elements are the exact quotient x / 2^k
-clamped to the element max and rounded by a real fp8 cast (E4M3, E5M2) or on the E2M1 grid written out by hand.
+to 2^-127, the same clamp as OCP's reference code ``microxcaling``; rceil, cuBLAS's rule, at 2^-127 multiplies by
+1 instead, as Transformer Engine's exp2f_rcp and torchao do); elements are the exact quotient x / 2^k clamped
+to the element max and rounded by a real fp8 cast (E4M3, E5M2) or on the E2M1 grid written out by hand.
 NVFP4 follows torchao 0.18's ``nvfp4_quantize`` operation by operation in numpy float32 (the per-tensor scale
 p = fl(amax / 2688) is an fp32 number; block scale E4M3(clamp(fl(fl(amax_b / 6) / p), 2^-6, 448)) by a real
 cast; elements x * fl(fl(1 / p) / s)). "Saturated" is what a real cast calls overflow (DESIGN.md): the scaled
@@ -115,9 +116,11 @@ def ref_mx(row: list[float], recipe: bf.BlockRecipe) -> tuple[list[float], int, 
     else:
         k = math.frexp(amax)[1] - 1 - math.floor(math.log2(fmt.max))  # floor(log2 amax) - emax_elem
     scale = Fraction(float(torch.tensor([2.0**k]).to(torch.float8_e8m0fnu).float()))  # real E8M0 cast
+    # rceil at E8M0's smallest scale (stored exponent 0) multiplies by 1, as Transformer Engine's exp2f_rcp
+    down = 1 if recipe.scale_mode == bf.ScaleMode.RCEIL and scale == Fraction(2) ** -127 else 1 / scale
     out, sat, flushed = [], 0, 0
     for v in row:
-        s = Fraction(v) / scale
+        s = Fraction(v) * down
         sat += overflows(s, fmt)
         q = element(s, fmt) * scale
         flushed += v != 0 and q == 0

@@ -5,7 +5,9 @@ The rule (OCP MX v1.0; ``block_formats``' module docstring): ``floor`` k = floor
 ``rceil`` (cuBLAS, torchao RCEIL) the smallest k with 2^k >= fl32(amax / element max), which is no integer at
 all when that quotient is 0 (an amax below the max times 2^-150): k is then E8M0's smallest, as torchao's
 ceil(log2 0) = -inf clamped and the cvt.rp.ue8m0 instruction give. k is clamped to E8M0's [-127, 127]; a block
-of zeros takes -127. Elements round to nearest, ties to even, clamped to the element max; the dequantised
+of zeros takes -127. An rceil block whose k is -127 (stored E8M0 exponent 0) multiplies its values by 1, not
+2^127, before the element cast, as Transformer Engine's ``exp2f_rcp`` and torchao's RCEIL do; it dequantises
+with 2^-127 all the same. Elements round to nearest, ties to even, clamped to the element max; the dequantised
 value is fp32 (past fp32's max it is inf, as the engines' fp32 product is).
 
 Blocks built by hand: amax in fp32's subnormals (2^-127 .. 2^-149), at and below E8M0's smallest scale, zero
@@ -77,10 +79,13 @@ def spec_element(y: Fraction, fmt: bf.NumberFormat, clamp: bool = True) -> Fract
 
 def spec_block(row: list[float], recipe: bf.BlockRecipe) -> tuple[list[float], int, int, Fraction]:
     """One finite block: |dequantised| per value (fp32: inf past its max), flushed, saturated, sum of err^2."""
-    scale = Fraction(2) ** spec_k(max(abs(v) for v in row), recipe)
+    k = spec_k(max(abs(v) for v in row), recipe)
+    scale = Fraction(2) ** k
+    # rceil at E8M0's smallest scale: the values are cast as they are (a factor of 1, not 2^127)
+    down = 1 if k == -127 and recipe.scale_mode == bf.ScaleMode.RCEIL else 1 / scale
     out, flushed, sat, err2 = [], 0, 0, Fraction(0)
     for v in row:
-        y = Fraction(v) / scale
+        y = Fraction(v) * down
         q = spec_element(y, recipe.element) * scale
         sat += spec_element(y, recipe.element, clamp=False) > Fraction(recipe.element.max)
         flushed += v != 0 and q == 0
@@ -130,6 +135,12 @@ TINY = blocks(
     [3 * P[149], P[149], 2 * P[149]],
     [P[118], P[119], P[127], P[128], 3 * P[129]],  # E4M3 floor k = -126: no clamp yet
     [1.75 * P[119], P[131], 3 * P[131]],
+    # E4M3 rceil: fl32(amax / 448) is exactly 2^-127 (k = -127 unclamped), then a hair above it (k = -126)
+    [448 * P[127], P[121], -P[126], 3 * P[130]],
+    [float(np.nextafter(F32(448 * P[127]), F32(1))), P[121], -P[126], 3 * P[130]],
+    # a block spread over [2^-122, 2^-121] (E4M3 rceil k = -129, clamped) and a value alone in its block
+    [P[121] * (0.5 + j / 62) for j in range(32)],
+    [-1.88079096131566e-37],
     [],  # zeros
     [0.0, -0.0],
 )

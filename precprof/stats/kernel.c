@@ -834,7 +834,8 @@ static NOINLINE void run_tiles(const bjob_t* j, int64_t t0, int64_t t1, bsum_t* 
             } else {
                 for (int g = 0; g < BG; g++) {
                     int e = mx_exponent(am0[g] > am1[g] ? am0[g] : am1[g], r);
-                    mul0[g] = pow2f(-e);
+                    /* rceil at E8M0's smallest scale: a factor of 1, as TE's exp2f_rcp (block_formats) */
+                    mul0[g] = r->kind == 1 && e == -127 ? 1.0f : pow2f(-e);
                     deq0[g] = pow2f(e);
                 }
                 tile_recipe(buf, n_i, mul0, deq0, mul0, deq0, BT, 1, r, ln->fl[k], ln->sat[k], ln->err[k]);

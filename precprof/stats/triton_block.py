@@ -19,8 +19,9 @@ are added across the program's threads once, when it ends: no barrier, no shuffl
 Exactness. The arithmetic is the C kernel's (``stats/kernel.c``), IEEE fp32 operations in the torch-op
 reference's order, each exact or rounded once as the reference rounds it: MX scales are powers of two (floor:
 floor(log2 amax) - emax from amax's bits; rceil: the smallest k with 2^k >= fl32(amax / max), a correctly
-rounded division, fl32 == 0 giving k = 0 as frexp does); an element |x| / 2^k (exact) is rounded to its
-format by the magic-number sum, exact round-to-nearest-even. NVFP4 repeats torchao's fp32 steps one by one,
+rounded division, fl32 == 0 giving E8M0's smallest, k = -127); an element |x| / 2^k (exact; in rceil at
+k = -127, |x| itself, as Transformer Engine's exp2f_rcp gives 1 there) is rounded to its format by the
+magic-number sum, exact round-to-nearest-even. NVFP4 repeats torchao's fp32 steps one by one,
 each an IEEE fp32 division or product (subnormals, inf and nan included): p = fl(amax_tensor / 2688) (at least
 the smallest fp32 whose reciprocal is finite, ``block_formats.NVFP4_TENSOR_SCALE_MIN``), r = fl(1 / p),
 s = E4M3(clamp(fl(fl(amax_block / 6) / p), 2^-6, 448)), element fl(|x| * fl(r / s)) rounded to E2M1 with

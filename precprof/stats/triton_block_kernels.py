@@ -78,7 +78,7 @@ def _round_value(a, MB: tl.constexpr, EMIN: tl.constexpr, FMAX: tl.constexpr):
 @triton.jit
 def _mx_scale(ab, FMAX: tl.constexpr, RCEIL: tl.constexpr):
     # An MX recipe's block scale 2^k, as the factors (2^-k, 2^k), from each block's amax bits ab ([TA]; 0 for
-    # a block of zeros or a poisoned one)
+    # a block of zeros or a poisoned one); rceil at k = -127: (1, 2^-127)
     EMAX: tl.constexpr = (FMAX >> 23) - 127
     if RCEIL:
         # the smallest k with 2^k >= fl32(amax / max); fl32(.) == 0 takes E8M0's smallest (block_formats)
@@ -88,7 +88,10 @@ def _mx_scale(ab, FMAX: tl.constexpr, RCEIL: tl.constexpr):
     else:
         k = _floor_log2(tl.maximum(ab, 1)) - EMAX
     k = tl.where(ab == 0, -127, tl.minimum(tl.maximum(k, -127), 127))
-    return _pow2(-k)[:, None], _pow2(k)[:, None]
+    down = _pow2(-k)
+    if RCEIL:  # E8M0's smallest scale multiplies by 1, as Transformer Engine's exp2f_rcp (block_formats)
+        down = tl.where(k == -127, _cf(0x3F800000), down)
+    return down[:, None], _pow2(k)[:, None]
 
 
 @triton.jit

@@ -55,10 +55,14 @@ _EPS = 2.0**-20  # fp32 arithmetic in the scale computations, with room to spare
 # 2688, s the E4M3 rounding (within 2^-4) of amax_block / 6 / p, at least 2^-6: at most amax_tensor * max(1/6 *
 # (1 + 2^-4), 1 / (2688 * 64)); a block's scaled values reach 6 / (1 - 2^-4), below the tie 7: nothing
 # saturates (rho stays a bound all the same). No scale goes below its format's smallest (E8M0 2^-127; NVFP4's
-# clamped per-tensor scale times E4M3's 448 at most), however small the tensor.
+# clamped per-tensor scale times E4M3's 448 at most), however small the tensor. An rceil block at 2^-127 is cast
+# unscaled (Transformer Engine's factor of 1, block_formats): all of it flushes, values up to 448 * 2^-127, the
+# flush limit of a scale of 448 * 2^-117.
 RECIPE_BOUNDS: dict[str, RecipeBounds] = {
     "mxfp8_e4m3": _mx_floor(-10.0, 448.0),
-    "mxfp8_e4m3_rceil": RecipeBounds(-10.0, 2.0 / 448.0 * (1 + _EPS), 2.0**-21),
+    "mxfp8_e4m3_rceil": RecipeBounds(
+        -10.0, 2.0 / 448.0 * (1 + _EPS), 2.0**-21, 448.0 * 2.0**-117 * (1 + _EPS)
+    ),
     "mxfp8_e5m2": _mx_floor(-17.0, 57344.0),
     "mxfp6_e2m3": _mx_floor(-4.0, 7.5),
     "mxfp6_e3m2": _mx_floor(-5.0, 28.0),
