@@ -29,7 +29,9 @@ Every column name used anywhere in precprof is a constant here (read them throug
     numel_gcd (a linear layer's activation rows: the largest number dividing the output elements of each of
     its calls; NaN on other rows).
 
-``histograms`` — step, module, tensor, param, exponent (floor(log2|x|) of the unscaled value), count.
+``histograms`` — step, module, tensor, param, exponent (floor(log2|x|) of the unscaled value; one bin off at
+    most under a loss scale that is not a power of two, shifted by its nearest one: capture's
+    histogram_shift_exact is then false), count.
     Zeros, nan and inf are not in it (they are columns of ``layers``).
 
 ``steps`` — step, loss, loss_scale (in effect during that step's backward), skipped (optimizer step skipped

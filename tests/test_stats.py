@@ -21,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import math
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -700,6 +701,33 @@ def test_requires_grad_untouched(dtype: torch.dtype) -> None:
 def test_tensor_stats_is_decode_of_one_row() -> None:
     x = random_values(100, 70).float()
     assert observed(tensor_stats(x, scale=4.0)) == observed(decode(_row(x), 4.0))
+
+
+def test_a_scale_that_is_no_power_of_two_shifts_the_bins_by_its_nearest_one_as_documented() -> None:
+    """Gradients arriving at a loss scale of 1000 (not a power of two): the bins are shifted by round(log2 1000)
+    = 10, so a value just above a power of two lands a bin low (1000 * 2^-20 -> -21, not -20), a bin off at most;
+    at a power of two the shift is exact. The README's ``histograms`` table and docs/design.md say so, and
+    name ``capture.histogram_shift_exact`` (t7 found them saying "floor(log2|x|) of the unscaled value" alone)."""
+    scaled = torch.tensor([1000.0, 1000.0 * 2**-20, 999.0, 1001.0, 3000.0])
+    rs = decode(_row(scaled), 1000.0)
+    got = Counter({int(e): int(c) for e, c in zip(rs.exponents, rs.hist, strict=True) if c})
+    true = Counter(math.floor(math.log2(v / 1000.0)) for v in scaled.double().tolist())
+    assert got == Counter({-21: 1, -1: 3, 1: 1}) and true == Counter({-20: 1, -1: 1, 0: 2, 1: 1})
+    assert sorted(got.elements()) == sorted(  # each value a bin off at most: floor(log2 x) - 10
+        math.floor(math.log2(v)) - 10 for v in scaled.double().tolist()
+    )
+    assert all(abs(a - b) <= 1 for a, b in zip(sorted(got.elements()), sorted(true.elements()), strict=True))
+    rs = decode(_row(scaled / 1000 * 1024), 1024.0)  # a power of two: exact
+    assert Counter({int(e): int(c) for e, c in zip(rs.exponents, rs.hist, strict=True) if c}) == Counter(
+        math.floor(math.log2(v / 1000.0)) for v in scaled.double().tolist()
+    )
+    root = Path(__file__).resolve().parents[1]
+    readme = " ".join((root / "README.md").read_text().split())
+    table = readme[readme.index("`histograms`: `step, module") :][:1000]
+    design = " ".join((root / "docs" / "design.md").read_text().split())
+    bins = design[design.index("Exponent histogram bin of x") :][:600]
+    for doc in (table, bins):
+        assert "not a power of two" in doc and "histogram_shift_exact" in doc, doc
 
 
 def test_is_power_of_two() -> None:

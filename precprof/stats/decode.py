@@ -54,8 +54,9 @@ def decode(row: np.ndarray, scale: float = 1.0) -> RowStats:
     """Turn one buffer row into counts and the unscaled histogram.
 
     ``scale`` is the loss scale the values carried (1 in the forward pass). The histogram is shifted by
-    log2(scale) when it is a power of two (exact); otherwise it is left in raw bins, shifted by the rounded
-    log2 (documented approximation for non-power-of-two static scales).
+    log2(scale) when it is a power of two (exact); otherwise by the rounded log2, so a value may land one bin
+    off (the exact bin needs the value's mantissa against the scale's, which only the row's kernel saw; the
+    README's ``histograms`` table and ``capture.histogram_shift_exact`` say so).
     """
     hist = row[COL_HIST : COL_HIST + N_BINS].astype(np.int64)
     zeros = int(row[COL_ZEROS])
