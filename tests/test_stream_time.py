@@ -17,6 +17,25 @@ from precprof import tables as T
 from precprof.capture import stream
 
 
+def _trained_behind(
+    monkeypatch: pytest.MonkeyPatch, write: Any, tmp_path: Path, every: int, steps: int
+) -> precprof.Profiler:
+    """A small MLP trained ``steps`` steps, one in ``every`` sampled, its run streamed by the writer thread (as
+    where the process cannot start), whose each flush goes through ``write``."""
+    monkeypatch.setattr(stream, "USE_PROCESS", False)
+    monkeypatch.setattr(stream_child, "write_flush", write)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with precprof.Profiler(model, opt, sample_every=every, memory=False, out=tmp_path / "run") as prof:
+        for _ in range(steps):
+            model(torch.randn(4, 8)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            prof.step()
+    return prof
+
+
 def test_a_sampled_step_that_waits_for_a_slow_writer_says_so_in_its_time(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -35,17 +54,7 @@ def test_a_sampled_step_that_waits_for_a_slow_writer_says_so_in_its_time(
         time.sleep(0.1)
         return write(*args, **kwargs)
 
-    monkeypatch.setattr(stream, "USE_PROCESS", False)
-    monkeypatch.setattr(stream_child, "write_flush", slow)
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    with precprof.Profiler(model, opt, sample_every=1, memory=False, out=tmp_path / "run") as prof:
-        for _ in range(8):
-            model(torch.randn(4, 8)).square().mean().backward()
-            opt.step()
-            opt.zero_grad()
-            prof.step()
+    prof = _trained_behind(monkeypatch, slow, tmp_path, every=1, steps=8)
     timing = prof.summary()["stream"]
     steps = prof.tables()["steps"]
     table = steps[T.TIME_S].to_numpy()
@@ -71,17 +80,7 @@ def test_a_sampled_steps_wait_for_a_writer_that_fell_behind_is_precprofs_not_a_p
             time.sleep(2.5)
         return write(*args, **kwargs)
 
-    monkeypatch.setattr(stream, "USE_PROCESS", False)
-    monkeypatch.setattr(stream_child, "write_flush", stalls_once)
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    with precprof.Profiler(model, opt, sample_every=2, memory=False, out=tmp_path / "run") as prof:
-        for _ in range(24):
-            model(torch.randn(4, 8)).square().mean().backward()
-            opt.step()
-            opt.zero_grad()
-            prof.step()
+    prof = _trained_behind(monkeypatch, stalls_once, tmp_path, every=2, steps=24)
     summary = prof.summary()
     timing, sampling = summary["stream"], summary["sampling"]
     assert timing["waited_s"] > 1.0, timing  # a sampled step waited for the writer

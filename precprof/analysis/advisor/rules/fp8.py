@@ -741,6 +741,17 @@ def _pass_causes(run: _Run, layers: list[str]) -> tuple[dict[str, str], dict[str
     return cause, words
 
 
+def _not_judged(layers: list[str], limit: int, why: str, most: float | None, where: str) -> str:
+    """The sentence that opens ``_pooled_words``: which layers the outlier check could not judge, and ``why``."""
+    return (
+        f". The outlier check could not judge an input or output gradient of {len(layers)} layer(s) "
+        f"({_listing(layers, limit)}): it was read in several calls a step ({why}), which the run records "
+        "together, as one histogram under the largest value of them all, where a tensorwise recipe scales each "
+        "call on its own; read at the largest call's scale, their largest values "
+        f"push {_pct(most)} ({where}), which does not decide"
+    )
+
+
 def _pooled_words(run: _Run, by_key: Mapping[Any, Mapping[str, Any]], linear: list[str], limit: int) -> str:
     """The words saying that the outlier check did not judge an input or output gradient of the layers whose
     tensors were read in several calls a step (``_pooled``), why (``_pass_causes``), and how to judge them ("" when
@@ -765,13 +776,7 @@ def _pooled_words(run: _Run, by_key: Mapping[Any, Mapping[str, Any]], linear: li
         if len(groups) == 1
         else "; ".join(f"{_listing(ms, limit)}: {words[c]}" for c, ms in groups.items())
     )
-    said = (
-        f". The outlier check could not judge an input or output gradient of {len(layers)} layer(s) "
-        f"({_listing(layers, limit)}): it was read in several calls a step ({why}), which the run records "
-        "together, as one histogram under the largest value of them all, where a tensorwise recipe scales each "
-        "call on its own; read at the largest call's scale, their largest values "
-        f"push {_pct(most)} ({where}), which does not decide"
-    )
+    said = _not_judged(layers, limit, why, most, where)
     alone = len(groups) == 1
     if "shared" in groups:
         said += (
@@ -811,13 +816,7 @@ def _pooled_words_before(
         if rest
         else f"a layer called more than once in a forward: up to {max(again.values())} calls a step per backward"
     )
-    said = (
-        f". The outlier check could not judge an input or output gradient of {len(layers)} layer(s) "
-        f"({_listing(layers, limit)}): it was read in several calls a step ({why}), which the run records "
-        "together, as one histogram under the largest value of them all, where a tensorwise recipe scales each "
-        "call on its own; read at the largest call's scale, their largest values "
-        f"push {_pct(most)} ({where}), which does not decide"
-    )
+    said = _not_judged(layers, limit, why, most, where)
     if again:
         shared = run.sort(again)
         said += (
