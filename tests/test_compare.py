@@ -990,6 +990,40 @@ def test_a_run_in_the_references_own_format_is_no_rival_format() -> None:
     )
 
 
+@pytest.mark.parametrize("speedup", [0.88, 1.34])
+def test_a_run_whose_precision_is_not_recorded_settles_no_check(speedup: float) -> None:
+    """Reviewer r2: two fp32 runs, one of ``sample_every=0`` (its precision not recorded), had "[confirmed] Speed:
+    ... ran at 0.88x fp32's throughput ... keep fp32" (1.34x: "[contradicted] ... a gain that the recommendation
+    forgoes") and "[confirmed] Warnings for u: ... As the advisor expected (no warning for this format)", of a
+    format the page said it did not know. Every check that needs the run's format is not measured, saying why."""
+    unknown = "not recorded (no sampled step recorded it)"
+    warned = {"code": "bf16_lost_updates", "severity": "warning", "title": "bf16 loses updates"}
+    for rec in (SMALL, {"format": "bf16", "target": "AMD EPYC", "findings": [warned]}):
+        ref = run_result("fp32", 5.0, 2.0, recommendation=rec)
+        u = run_result("u", 5.0, 2.0, precision=A.PRECISION_UNKNOWN, speedup=speedup)
+        u.outcome, u.gap = A.classify(u, ref, 0.02)
+        checks = A.check_against_runs([ref, u], ref)
+        assert all(c.status == A.NOT_MEASURED for c in checks), checks
+        mine = [c for c in checks if c.run == "u"]
+        assert mine and all(unknown in c.text for c in mine), mine
+        assert not any(
+            "this format" in c.text or "keep fp32" in c.text or "a gain (" in c.text for c in checks
+        )
+    (warn,) = [c for c in checks if c.aspect == A.ASPECT_WARNINGS]
+    assert warn.text.endswith(
+        f"The precision it trained in is {unknown}, so the advisor's warnings for a format are not checked "
+        "against it."
+    ), warn.text
+    # a reference whose precision is not recorded: a bf16 run's speed against it is no gain over a known format
+    ref = run_result("u", 5.0, 2.0, precision=A.PRECISION_UNKNOWN, recommendation={**SMALL, "format": "bf16"})
+    low = run_result("bf16", 5.0, 2.0, speedup=speedup)
+    low.outcome, low.gap = A.classify(low, ref, 0.02)
+    (speed,) = [c for c in A.check_against_runs([ref, low], ref) if c.aspect == A.ASPECT_SPEED]
+    assert speed.status == A.NOT_MEASURED and speed.text.endswith(
+        f"the precision u trained in is {unknown}."
+    ), speed.text
+
+
 def test_an_fp32_verdict_without_an_fp32_run_is_not_confirmed_on_loss() -> None:
     """bf16 the reference for want of an fp32 run, the advisor on its profile recommending fp32, an fp16 run that
     fell behind bf16: "[confirmed] Loss: ... no run in another format matched bf16's loss (fp16)", while nothing

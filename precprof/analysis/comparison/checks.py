@@ -59,7 +59,7 @@ STATUS_MEANING = {
     NOT_MEASURED: "no run in this comparison measures it: no run in that format, a failed run, no throughput, "
     "speed on a machine other than this one, the speed of a format emulated where it ran (fp16 on a CPU without "
     "fp16 arithmetic), an fp32 verdict's loss or speed without an fp32 run, a run trained otherwise than the reference "
-    "besides its precision, an fp16 run without the loss scaling the advice gives it, a reference that did not "
+    "besides its precision, a run or reference whose precision is not recorded (no sampled step), an fp16 run without the loss scaling the advice gives it, a reference that did not "
     "train, a run without summary.json, or a run that stopped early or is compared short of its end (runs of "
     "different lengths)",
     OVERRIDDEN: "the advisor's fp32 default for a small model, against a run in the format its measurements "
@@ -238,8 +238,18 @@ def speed_unjudged(r: RunResult, ref: RunResult, fmt: str) -> str:
     ("" when it may): for an fp32 (or tf32) recommendation, a reference in neither (no fp32 run compared: bf16 is
     the reference for want of one); and a run or reference whose format the machine emulates
     (``RunResult.emulated``). Two runs, bf16 and an fp16 emulated on a CPU, had "confirmed" keeping fp32 from
-    fp16 at 1.06x bf16's throughput, and "contradicted" it from a noisy 1.52x."""
-    why = [no_full_precision(ref, fmt, "speed"), *(x.emulated for x in (r, ref))]
+    fp16 at 1.06x bf16's throughput, and "contradicted" it from a noisy 1.52x. A run or reference whose precision
+    is not recorded (``PRECISION_UNKNOWN``) measures no format's speed either."""
+    unknown = [x.label for x in (r, ref) if x.precision == PRECISION_UNKNOWN]
+    why = [
+        no_full_precision(ref, fmt, "speed"),
+        *(x.emulated for x in (r, ref)),
+        f"the precision{'s' if len(unknown) > 1 else ''} {and_list(unknown)} trained in "
+        f"{'are' if len(unknown) > 1 else 'is'} not recorded "
+        f"({PRECISION_UNKNOWN_WHY})"
+        if unknown
+        else "",
+    ]
     return "; ".join(w for w in why if w)
 
 
@@ -301,7 +311,9 @@ def _recommendation_checks(
         # a run in the reference's own precision, or in the recommended one, is no rival format: what its loss
         # and speed differ by is the machine, the seed or the run, not a format (a rerun of an fp32 run on a
         # quieter machine ran 1.5x faster and "contradicted" the fp32 recommendation)
-        same = [r for r in done if r.precision in (ref.precision, fmt)]
+        # a run whose precision is not recorded (``PRECISION_UNKNOWN``) is no rival either: it may have trained in
+        # the reference's format (two fp32 runs, one of sample_every=0, had "confirmed" keeping fp32 at 0.88x)
+        same = [r for r in done if r.precision in (ref.precision, fmt, PRECISION_UNKNOWN)]
         done = [r for r in done if r not in same]
         finished = [r for r in done if not not_isolated(r, ref)]
         apart = [_sentence(w) + "." for w in dict.fromkeys(not_isolated(r, ref) for r in done) if w]
@@ -419,7 +431,11 @@ def _recommendation_checks(
                     Check(
                         NOT_MEASURED,
                         f"Speed: {lead}; {_same_format([r], ref, fmt)}: its {r.speedup:.2f}x {ref.label}'s "
-                        "throughput is the machine's or the run's, no format's gain.",
+                        + (
+                            "throughput is no known format's gain."
+                            if r.precision == PRECISION_UNKNOWN
+                            else "throughput is the machine's or the run's, no format's gain."
+                        ),
                         r.label,
                         ASPECT_SPEED,
                     )
@@ -535,6 +551,17 @@ def _warning_checks(rec: Mapping[str, Any] | None, r: RunResult, ref: RunResult)
                 NOT_MEASURED,
                 f"Warnings for {r.label}: {outcome_sentence(r, ref, 0)} {_sentence(apart)}, so the advisor's "
                 "warnings are not checked against it.",
+                r.label,
+                ASPECT_WARNINGS,
+            )
+        ]
+    if r.precision == PRECISION_UNKNOWN:  # not "as the advisor expected (no warning for this format)"
+        return [
+            Check(
+                NOT_MEASURED,
+                f"Warnings for {r.label}: {outcome_sentence(r, ref, 0)} The precision it trained in is not "
+                f"recorded ({PRECISION_UNKNOWN_WHY}), so the advisor's warnings for a format are not checked "
+                "against it.",
                 r.label,
                 ASPECT_WARNINGS,
             )
