@@ -438,6 +438,19 @@ def test_comparison_loss_plots_tick_labels_never_run_together(comparison: tuple[
     assert any(t.get_text().endswith("k") for t in fig.axes[0].get_xticklabels())
 
 
+def test_the_relative_loss_panel_says_when_no_other_run_recorded_a_loss() -> None:
+    """Reviewer r2: with no run besides the reference holding a loss, the "Loss relative to fp32" panel was an
+    empty +-2% band on a step axis from 0 to 1. It says that no other run recorded a loss, and draws no axis."""
+    comp = _four_runs()
+    runs = [r if r.label == comp.reference else dataclasses.replace(r, curve_loss=[]) for r in comp.runs]
+    rel = compare_page.loss_figure(dataclasses.replace(comp, runs=runs)).axes[1]
+    assert [t.get_text() for t in rel.texts] == ["no other run recorded a loss"]
+    assert not rel.axison and not rel.lines and not rel.patches
+    assert rel.get_title() == "Loss relative to fp32 (smoothed)"
+    rel = compare_page.loss_figure(comp).axes[1]  # runs with a loss: drawn as before
+    assert rel.axison and len(rel.lines) > 1 and not rel.texts
+
+
 def _diverged_comparison() -> A.Comparison:
     """fp32, bf16 within 0.1% of it, and a run whose loss went 5.5, 7.1, 381, ... 3.4e9, then nan."""
     steps = list(range(12))

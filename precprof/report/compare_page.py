@@ -152,11 +152,34 @@ def loss_figure(comparison: Comparison) -> Any:
         frameon=False,
         fontsize=9,
     )
+    ax_rel.set_title(f"Loss relative to {plain(ref.label)} (smoothed)")
+    if not relative:  # not an empty band on a step axis from 0 to 1
+        ax_rel.set_axis_off()
+        ax_rel.text(
+            0.5,
+            0.5,
+            (
+                f"{plain(ref.label)}, the reference, recorded no loss"
+                if not len(ref_s)
+                else "no other run recorded a loss"
+                if all(not r.curve_loss for r in comparison.runs if r is not ref)
+                else f"no other run recorded a loss on {plain(ref.label)}'s steps"
+            ),
+            ha="center",
+            va="center",
+            fontsize=10,
+            color="#555555",
+            transform=ax_rel.transAxes,
+        )
+        ax_loss.grid(True, alpha=0.3)
+        ax_loss.xaxis.set_major_locator(step_locator(8))
+        ax_loss.xaxis.set_major_formatter(FuncFormatter(step_label))
+        fit_margins(fig)
+        return fig
     tol = comparison.tolerance
     ax_rel.axhspan(-tol, tol, color="#2ca02c", alpha=0.12, lw=0, label=f"±{tol:.0%}: matched")
     ax_rel.axhline(0, color=MODE_COLORS.get(ref.precision, "#1f4e79"), lw=1.2)
     _draw_relative(ax_rel, relative, styles, tol)
-    ax_rel.set_title(f"Loss relative to {plain(ref.label)} (smoothed)")
     ax_rel.set_xlabel("step")
     ax_rel.set_ylabel(f"(loss − {plain(ref.label)}) / {plain(ref.label)}")
     ax_rel.yaxis.set_major_formatter(FuncFormatter(_signed_pct_label))
