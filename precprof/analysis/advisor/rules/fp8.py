@@ -691,8 +691,10 @@ def _pass_causes(run: _Run, layers: list[str]) -> tuple[dict[str, str], dict[str
     each_rank = set(calls.index[calls > world].get_level_values(0))  # several calls on a rank
     # the model's forwards a step into fewer backward passes (two views of a batch, or several losses, summed
     # into one backward): the loop's passes, no micro-batches (a run told to stop an accumulation it never did:
-    # reviewer r2); not said of FSDP's weight gradients, one reduce-scattered shard a step whatever the micro-batches
-    into = float(backwards.max()) / world if len(backwards) and not _sharded(run) else 0.0
+    # reviewer r2); in one process only: a wrapper's weight gradients may be read once a step whatever the
+    # micro-batches (FSDP's reduce-scattered shards; FSDP1 with use_orig_params=True, NO_SHARD too, read as the
+    # optimizer gets them), so that one backward a step is no sign of fewer backward passes (reviewer r3)
+    into = float(backwards.max()) if len(backwards) and world == 1 and not _sharded(run) else 0.0
     fewer = most_forwards > 1 and 0 < into < most_forwards
     parts = set(own.loc[(own["calls"] > 1) & (own["calls"] != own["backwards"]), "module"])
     cause: dict[str, str] = {}
