@@ -10,12 +10,15 @@ Tiny real runs of Dynamo's eager backend: a compile is a trace, no kernels."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 
 import precprof
+from precprof import _compat
 from precprof import tables as T
 from precprof.report import filters as F
 from precprof.report.context import _headline, _no_memory_why
@@ -187,6 +190,56 @@ def test_a_compiled_model_beside_a_compiled_optimizer_step_says_the_sampled_step
     # the model alone, or the model compiled with nothing sampled (every step ran all of it compiled): no more
     assert _run(4, sample_every=2, memory=False).summary()["compiled_elsewhere"] == []
     assert "also compiled" not in _row(_run(3, compile_step=True, sample_every=0, memory=False))
+
+
+def test_a_wrapper_of_the_models_forward_in_another_file_is_the_models(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Accelerate's mixed precision replaces the model's forward with its ``convert_outputs_to_fp32`` wrapper (a
+    function in its own file whose ``__wrapped__`` is an object wrapping the forward), and its dynamo plugin then
+    compiles the model: the wrapper's frame is the one Dynamo compiles. Only the innermost function of the chain
+    counted as the model's: "torch.compile also compiled code outside the model's source files (forward
+    (operations.py))" of a run that compiled the model alone (reviewer r3). Every function of the chain is the
+    model's forward."""
+    import importlib
+    import types
+
+    import torch._dynamo
+
+    (tmp_path / "wrapping.py").write_text(
+        "import functools\n\n"
+        "class Outputs:\n"
+        "    def __init__(self, forward):\n"
+        "        self.forward = forward\n"
+        "        functools.update_wrapper(self, forward)\n\n"
+        "    def __call__(self, *args, **kwargs):\n"
+        "        return self.forward(*args, **kwargs).float()\n\n"
+        "def wrap(forward):\n"
+        "    inner = Outputs(forward)\n\n"
+        "    def forward(*args, **kwargs):\n"
+        "        return inner(*args, **kwargs)\n\n"
+        "    forward.__wrapped__ = inner\n"
+        "    return forward\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    wrapping = importlib.import_module("wrapping")
+    torch._dynamo.reset()
+    model = _model()
+    model.forward = types.MethodType(wrapping.wrap(type(model).forward), model)
+    run = torch.compile(model, backend="eager")
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    with precprof.Profiler(run, optimizer=opt, sample_every=2, memory=False) as prof:
+        for _ in range(4):
+            loss = run(torch.randn(4, 8, generator=g)).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            prof.step(loss=loss)
+    compiled = {c.co_filename for c in (_compat.compiled_entries() or {})}
+    assert str(tmp_path / "wrapping.py") in compiled  # Dynamo compiled the wrapper's frame
+    assert prof.summary()["compiled_elsewhere"] == []
+    assert "also compiled" not in _row(prof)
 
 
 def test_modules_under_torch_compiler_disable_are_named_beside_the_compiled_model() -> None:

@@ -7,7 +7,6 @@ torch.compile row says (``report/compiled_row.py``)."""
 
 from __future__ import annotations
 
-import inspect
 import os
 import sys
 import types
@@ -99,9 +98,7 @@ def _model_sources(model: nn.Module) -> tuple[set[str], tuple[str, ...]]:
     files: set[str] = set()
     folders = {_TORCH}
     for m in model.modules():
-        code = getattr(_unwrapped(getattr(m, "__dict__", {}).get("forward")), "__code__", None)
-        if isinstance(code, types.CodeType):
-            files.add(os.path.abspath(code.co_filename))
+        files |= _wrapper_files(getattr(m, "__dict__", {}).get("forward"))
         for cls in type(m).__mro__:
             module = sys.modules.get(cls.__module__)
             path = getattr(module, "__file__", None)
@@ -113,12 +110,23 @@ def _model_sources(model: nn.Module) -> tuple[set[str], tuple[str, ...]]:
     return files, tuple(folders)
 
 
-def _unwrapped(fn: object) -> object:
-    """The function a wrapper (``functools.wraps``: Dynamo's, a decorator's) wraps, innermost; None stays None."""
-    try:
-        return inspect.unwrap(fn) if callable(fn) else fn  # type: ignore[arg-type]
-    except ValueError:  # a cycle of __wrapped__
-        return fn
+def _wrapper_files(fn: object) -> set[str]:
+    """The files of a forward that replaced a module's and of every function it wraps (``__wrapped__``, as
+    ``functools.wraps`` and Accelerate's mixed-precision wrapper leave it; a callable object by its ``__call__``):
+    all of them run as the model's forward. Only the innermost was counted: Accelerate's wrapper, compiled by its
+    dynamo plugin, was named as code outside the model (reviewer r3)."""
+    files: set[str] = set()
+    for _ in range(32):  # (a cycle of __wrapped__)
+        if fn is None:
+            break
+        fn = getattr(fn, "__func__", fn)  # a bound method's function
+        code = getattr(fn, "__code__", None)
+        if code is None and callable(fn):
+            code = getattr(type(fn).__call__, "__code__", None)
+        if isinstance(code, types.CodeType):
+            files.add(os.path.abspath(code.co_filename))
+        fn = getattr(fn, "__wrapped__", None)
+    return files
 
 
 def _code_said(code: types.CodeType, path: str) -> str:
