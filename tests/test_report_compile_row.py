@@ -179,7 +179,7 @@ def test_a_compiled_model_beside_a_compiled_optimizer_step_says_the_sampled_step
         "also compiled code outside the model's source files (the optimizer's step); a sampled step runs every "
         "compiled function of the loop eagerly (the force_eager stance precprof sets for it is the whole "
         "process's), so on the 2 sampled steps that code ran eagerly too, and what it computed there (a loss, a "
-        "weight update) is eager PyTorch's"
+        "weight update, a helper of the model's in a file of its own) is eager PyTorch's"
     )
 
     def squared(out: torch.Tensor) -> torch.Tensor:

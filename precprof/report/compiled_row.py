@@ -86,8 +86,8 @@ def compiled_row(capture: Mapping[str, Any], cfg: Mapping[str, Any]) -> str:
         text += (
             f". torch.compile also compiled {elsewhere}; a sampled step runs every compiled function of the loop "
             "eagerly (the force_eager stance precprof sets for it is the whole process's), so on the "
-            f"{n} that code ran eagerly too, and what it computed there (a loss, a weight update) is eager "
-            "PyTorch's"
+            f"{n} that code ran eagerly too, and what it computed there (a loss, a weight update, a helper of "
+            "the model's in a file of its own) is eager PyTorch's"
         )
     return text + _random_note(capture, what)
 
