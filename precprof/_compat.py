@@ -770,11 +770,16 @@ def compiled_entries() -> dict[types.CodeType, int] | None:
     return {code: n for code, n in counted.items() if n}
 
 
-def compiled_code() -> bool:
+_UNREAD: Any = object()  # (``compiled_code``'s entries not read yet)
+
+
+def compiled_code(held: Any = _UNREAD) -> bool:
     """Whether Dynamo holds compiled code now: a code object it compiled since the last ``torch._dynamo.reset()``
     still has a cache entry (a model compiled and run before the Profiler attached). False while Dynamo is not
-    loaded; on a torch without that record, whether :func:`compiles` ever moved."""
-    held = compiled_entries()
+    loaded; on a torch without that record, whether :func:`compiles` ever moved. ``held``: what
+    :func:`compiled_entries` returned just now (read again without it)."""
+    if held is _UNREAD:
+        held = compiled_entries()
     return bool(held) if held is not None else bool(compiles())
 
 

@@ -76,7 +76,7 @@ class LoopOrder:
         self._followed_names: str | None = None
         self._place: dict[int, int] = {}  # optimizer id -> its place in the list the Profiler was given
         # the passes of the sampled steps (the summary's ``capture.step_passes``): the model's own training forwards
-        # a step, least and most, and the classes of the followed optimizers given a closure
+        # a step, least and most, and the classes of the followed optimizers whose closure ran more than once in a step
         self._forwards_seen: tuple[int, int] | None = None  # (least, most)
         self._closures: set[str] = set()
         self._closure_most = 0  # the most evaluations of one of their closures in an optimizer step

@@ -51,8 +51,10 @@ class SampledStance:
         self.end(step - 1, False)  # (the step before, if it was held off)
         if self._at_start is self:
             self._at_start = _compat.stance()
-            self._compiled_before = _compat.compiled_code()
-            self.entries_before = _compat.compiled_entries()
+            self.entries_before = (
+                _compat.compiled_entries()
+            )  # read once: the summary's ``compiled_elsewhere`` too
+            self._compiled_before = _compat.compiled_code(self.entries_before)
         if sampled:
             self._token = _compat.force_eager()
             if self._token is None and _compat.stance() is not None:
