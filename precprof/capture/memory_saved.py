@@ -504,10 +504,13 @@ class SavedActivations:
         self._unpacks_mark = self._unpacks if last is not None else -1
 
     def _own_param_keys(self, module: nn.Module | None) -> set[StorageKey]:
-        """The storages of ``module``'s own parameters now (none for no module)."""
+        """The storages of ``module``'s own parameters now (none for no module): its ``_parameters`` as they are,
+        what ``parameters(recurse=False)`` walks without its generators (per saved tensor of a memory step)."""
         if module is None:
             return set()
-        return {st[0] for p in module.parameters(recurse=False) if (st := _storage(p)) is not None}
+        return {
+            st[0] for p in module._parameters.values() if p is not None and (st := _storage(p)) is not None
+        }
 
     def _mark_phase(self, new_phase: str) -> None:
         """A phase boundary: a new segment of the step, placed in the allocator's events, and the phase's
