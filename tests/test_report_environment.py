@@ -562,3 +562,69 @@ def test_a_resumed_runs_block_budget_row_says_whose_measurements_they_are() -> N
     said = environment.block_setting(v, resumed=10)
     assert "; the attempt resumed at step 10 measured it on none" in said and "this run's" not in said
     assert "; this run's measured it on none" in environment.block_setting(v)
+
+
+def test_a_budgeted_runs_unsampled_tail_is_said_with_why() -> None:
+    """A sampled step that cost far more than the others (a wait of 1.6 s for the run directory's writer, starved
+    of CPU: tester t1's 10,000-step run) spent the budget, and no step after it was sampled: the last 3,643
+    steps of the run had no layer statistics, its heatmaps ended at step 6,300, and nothing said why. A real
+    budgeted run of 1,200 fast steps whose second sampled step sleeps 0.5 s (no pause: under a second more than
+    the others), which spends the budget for good (the run's 1,200 steps of a fraction of a millisecond would
+    need 17 s to hold it), says which steps went unsampled and why; a run sampled at the budget's pace to its
+    end says nothing of it."""
+    import time
+
+    import torch
+    from torch import nn
+
+    import precprof
+
+    def run(stall_s: float) -> tuple[dict[str, object], pd.DataFrame]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        stalled = False
+        with precprof.Profiler(model, optimizer=opt, memory=False, block_formats=False) as prof:
+            for step in range(1200):
+                loss = model(torch.randn(4, 8)).square().mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                if stall_s and not stalled and step >= 1 and prof.sampling:
+                    time.sleep(stall_s)
+                    stalled = True
+                prof.step()  # (no loss: no loss spike sampled late, whatever the random batches)
+            steps = prof.tables()["steps"]
+            capture = prof.summary()
+        return capture, steps
+
+    capture, steps = run(0.5)
+    s = capture["sampling"]
+    sampled = steps.loc[T.flags(steps[T.SAMPLED]), T.STEP]
+    assert s["last_sampled_step"] == int(sampled.max()) and s["last_step"] == 1199
+    assert sampled.tolist() == [0, 1]  # the first two steps, then none: no loss given, no loss spike sampled
+    tail = 1198
+    text = environment.sampling_text(s, len(sampled), len(steps))
+    assert (
+        f"none of the last {F.count(tail)} steps (after step {F.count(int(sampled.max()))}, to step 1,199) was "
+        "sampled: none fitted the budget, which the sampled steps before them had spent" in text
+    )
+    assert s["overhead_sampled"] > s["budget"] and "is paid for by the steps after it" in text
+    assert f"{F.count(len(sampled))} of 1,200 steps" in text
+    # the heatmap over the sampled steps, which ends at the last of them, says so too
+    assert environment.unsampled_tail(s, steps) == (
+        f"No step after step {F.count(int(sampled.max()))} was sampled (the run went on to step 1,199): the "
+        "columns end there; the environment section’s “steps sampled” says why."
+    ).replace("’", "'")
+    # a run that sampled at the budget's pace to its end, or whose thinning spaces samples further apart than its
+    # unsampled last steps: nothing said
+    even = {**s, "overhead_sampled": 0.029, "last_sampled_step": 1150}
+    assert "none of the last" not in environment.sampling_text(even, 40, 1200)
+    near_end = steps.assign(**{T.SAMPLED: steps[T.STEP].isin([0, 1, 1150])})
+    assert environment.unsampled_tail(s, near_end) == ""
+    thinned = {
+        **s,
+        "thinned": {"after": 200, "doubling_every": 100, "least_gap": 400},
+        "last_sampled_step": 500,
+    }
+    assert "none of the last" not in environment.sampling_text(thinned, 40, 1200)

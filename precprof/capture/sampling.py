@@ -135,6 +135,8 @@ class Sampler:
     synchronized: bool = False  # every rank samples the same steps: planned ones only (see the docstring)
     held: int = 0  # steps not sampled because the statistics kernels were still compiling
     first_sampled: int | None = None  # the first step sampled
+    last_sampled: int | None = None  # the last step sampled (decided so)
+    last_step: int | None = None  # the last step observed
     _firsts: int = 0
     _unsampled_seen: bool = False  # the first unsampled step (warm-up of the unsampled path) has passed
     _last_budget: int = -(2**62)  # the last step sampled within the budget
@@ -188,6 +190,8 @@ class Sampler:
             self._thin(step)
         if reason and self.first_sampled is None:
             self.first_sampled = step
+        if reason:
+            self.last_sampled = step
         return reason
 
     def _decide(self, step: int) -> str:
@@ -367,6 +371,7 @@ class Sampler:
         measured memory (its own work, longer: never a pause); ``waited_s``: of its time, the wait for the
         stream's writer (precprof's own: never a pause). Returns whether the step is left
         out as one Dynamo compiled in (``compiled_at``): its steps table row says so (``T.COMPILED``)."""
+        self.last_step = step
         compiled = compiles is not None and compiles != self._compiles
         if compiles is not None:
             self._compiles = compiles
@@ -543,6 +548,9 @@ class Sampler:
             self.step_cost_s(base) if base is not None and self.sampled_times else None
         )
         out["first_sampled_step"] = self.first_sampled
+        # where none of a run's last steps was sampled, the report says so (the budget spent by then)
+        out["last_sampled_step"] = self.last_sampled
+        out["last_step"] = self.last_step
         out["held_for_compile"] = self.held
         out["compile_steps"] = self.compile_steps
         out["compiled_steps"] = list(self.compiled_at)

@@ -842,6 +842,24 @@ def sampling_from_steps(summary: Mapping[str, Any], steps: pd.DataFrame) -> Mapp
     return {**summary, T.SUMMARY_CAPTURE: {**capture, **counts}}
 
 
+def _last_sampled(summary: Mapping[str, Any], steps: pd.DataFrame) -> Mapping[str, Any]:
+    """The summary with its sampling's last sampled step and last step taken from the steps table where it has
+    none (a run recorded before the summary did, or killed before it saved), for the "steps sampled" row's
+    word on a budgeted run's unsampled last steps (``environment.sampling_text``)."""
+    capture = summary.get(T.SUMMARY_CAPTURE)
+    if not isinstance(capture, Mapping):
+        return summary
+    sampling = capture.get("sampling")
+    if not isinstance(sampling, Mapping) or "last_sampled_step" in sampling or T.SAMPLED not in steps:
+        return summary
+    step = pd.to_numeric(steps[T.STEP], errors="coerce") if T.STEP in steps else pd.Series(dtype=float)
+    sampled = step[T.flags(steps[T.SAMPLED]).to_numpy()].dropna() if len(step) else step
+    if sampled.empty:
+        return summary
+    last = {"last_sampled_step": int(sampled.max()), "last_step": int(step.max())}
+    return {**summary, T.SUMMARY_CAPTURE: {**capture, "sampling": {**sampling, **last}}}
+
+
 def _stopped(steps: pd.DataFrame, cfg: Mapping[str, Any]) -> str:
     """Where an incomplete run stopped, for its banner: "after step 670 (671 steps of the 3,000 planned; step
     671 was cut off)"; the planned count where the run's configuration has one (the built-in loop's); "" without
@@ -995,9 +1013,11 @@ def _timeline(
         if held
         else ""
     )
+    sampling = capture.get("sampling") if isinstance(capture, Mapping) else None
+    tail = environment.unsampled_tail(sampling, steps) if isinstance(sampling, Mapping) else ""
     return {
         "img": _img(timeline.timeline_figure(tl, _restarts(steps)), alt),
-        "note": " ".join(t for t in (tl.note, blind, f"Weight updates: {late}." if late else "") if t),
+        "note": " ".join(t for t in (tl.note, tail, blind, f"Weight updates: {late}." if late else "") if t),
         "aggregated": tl.aggregated,
     }
 
@@ -1104,7 +1124,7 @@ def build_context(
         "memory": memory,
         "verification": S.precision_check(layers, tabs["memory"], summary),
         "environment": environment.environment(
-            sampling_from_steps(_reduced_steps_counted(summary, steps), steps),
+            _last_sampled(sampling_from_steps(_reduced_steps_counted(summary, steps), steps), steps),
             throughput(steps, compiled_steps(summary)),
         ),
     }

@@ -13,6 +13,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+import pandas as pd
+
 from precprof import schema as S
 from precprof import tables as T
 from precprof.analysis.throughput import MIN_STEPS, timed_enough, within_noise
@@ -964,11 +966,74 @@ def sampling_text(
             f"far apart (at the end at least {F.count(gap)} steps apart), and so did those after an event of a kind "
             "seen before, so that what the run records grows with the log of its length"
         )
+    text += _unsampled_tail(s, sampled, recorded, bool(tp is not None and overhead_withheld(tp)))
     if s.get("synchronized"):
         text += "; every rank sampled the same steps"
     if s.get("from_steps"):
         text += f"; {_FROM_STEPS}, so what the sampled steps took of the run's time is not known"
     return text
+
+
+# a budgeted run's last steps, none of them sampled, are said from this share of its steps (and this many) on, and
+# past twice a thinned run's least gap between samples
+TAIL_SAID_SHARE = 0.1
+TAIL_SAID_MIN = 100
+# ... with what took the budget past itself from this many budgets on
+TAIL_PAST_BUDGET = 1.2
+
+
+def _unsampled_tail(
+    s: Mapping[str, Any], sampled: int | None, recorded: int | None, withheld: bool = False
+) -> str:
+    """Where none of a budgeted run's last steps was sampled (``TAIL_SAID_SHARE`` of its steps, and more than
+    its thinning spaces samples), which and why, in words for the "steps sampled" row ("" otherwise): no step fitted
+    the budget, which the sampled steps before had spent. One that cost more than expected (a wait of seconds for
+    the run directory's writer, starved of CPU) is paid for by the steps after it: a 10,000-step run sampled
+    nothing after step 6,356, and its heatmaps ended there unexplained (tester t1). ``withheld``: the overhead
+    reached is not said (the header's rule), and so not here either."""
+    last_s, last = _int(s.get("last_sampled_step")), _int(s.get("last_step"))
+    if last_s is None or last is None or not sampled or not recorded:
+        return ""
+    tail = last - last_s
+    thin = _int(_map(s.get("thinned")).get("least_gap")) or 0
+    if tail < max(TAIL_SAID_SHARE * recorded, TAIL_SAID_MIN, 2 * thin):
+        return ""
+    text = (
+        f"; none of the last {F.count(tail)} steps (after step {F.count(last_s)}, to step {F.count(last)}) was "
+        "sampled: none fitted the budget, which the sampled steps before them had spent"
+    )
+    budget, part = s.get("budget"), s.get("overhead_sampled")
+    if (
+        not withheld
+        and isinstance(budget, (int, float))
+        and isinstance(part, (int, float))
+        and part > TAIL_PAST_BUDGET * budget
+    ):
+        text += (
+            f" and more ({F.pct(float(part))}): a sampled step that cost more than the budget had room for is paid "
+            "for by the steps after it, unsampled until the run's time has grown enough to hold it"
+        )
+    return text
+
+
+def unsampled_tail(s: Mapping[str, Any], steps: pd.DataFrame) -> str:
+    """The timeline's sentence for a budgeted run none of whose last steps was sampled (``_unsampled_tail``'s
+    rule, on its steps table: a killed run's too), "" otherwise: its columns end at the last sampled step."""
+    if s.get("mode") != "budget" or steps.empty or T.SAMPLED not in steps or T.STEP not in steps:
+        return ""
+    step = pd.to_numeric(steps[T.STEP], errors="coerce")
+    sampled = step[T.flags(steps[T.SAMPLED]).to_numpy()].dropna()
+    if sampled.empty or step.isna().all():
+        return ""
+    last_s, last = int(sampled.max()), int(step.max())
+    tail = last - last_s
+    thin = _int(_map(s.get("thinned")).get("least_gap")) or 0
+    if tail < max(TAIL_SAID_SHARE * len(steps), TAIL_SAID_MIN, 2 * thin):
+        return ""
+    return (
+        f"No step after step {F.count(last_s)} was sampled (the run went on to step {F.count(last)}): the "
+        "columns end there; the environment section's “steps sampled” says why."
+    )
 
 
 def memory_setting(v: Mapping[str, Any], resumed: int | None = None) -> str:

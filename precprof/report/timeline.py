@@ -85,7 +85,7 @@ class Timeline:
             return ""
         return (
             f" The columns are evenly spaced sampled steps, not steps: a column spans {int(spans.min()):,} to "
-            f"{int(hi):,} steps (sampling thins out over a long run), as the step labels show."
+            f"{int(hi):,} steps, as the step labels show."
         )
 
 
