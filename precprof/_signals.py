@@ -144,3 +144,11 @@ def deferred(note: str | None = "finishing the run directory first") -> Iterator
     finally:
         _state.defer_depth -= 1
         _state.defer_note = saved
+
+
+def holding(note: str | None = "finishing the run directory first") -> contextlib.ExitStack[bool | None]:
+    """``deferred(note)``, entered now and left by the returned stack's ``close()`` (or at the end of a ``with``
+    block around it, whichever comes first): a hold that ends before the block it guards does."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(deferred(note))
+    return stack

@@ -94,25 +94,26 @@ def finish_run(
     saying what was not saved (``precprof._saving``: on a full disk what fits is kept, the configuration
     first), and a ``RunNotSavedWarning``.
     """
-    run_dir = Path(run_dir)
-    full = dict(summary)
-    full.setdefault(T.SUMMARY_STATUS, T.STATUS_COMPLETE)
-    full.setdefault(T.SUMMARY_INCOMPLETE_REASON, None)
-    # the caller's status says how training ended; a failure to save after it (a full disk, Ctrl-C while the
-    # report renders) makes the run incomplete, and this says it lost files, not steps
-    full[T.SUMMARY_TRAINING_FINISHED] = full[T.SUMMARY_STATUS] == T.STATUS_COMPLETE
-    if T.SUMMARY_HARDWARE not in full:
-        full.update(describe_machine((full.get(T.SUMMARY_CAPTURE) or {}).get("device")))
-    # what precprof train records and a Profiler in the user's own loop did not (a notebook had no torch version
-    # and no final loss, and the report no Software rows): the versions of this process, and the final figures
-    # as the report's header reads them off the steps table (no wall-clock time: the loop around them is the
-    # user's)
-    if T.SUMMARY_VERSIONS not in full:
-        full[T.SUMMARY_VERSIONS] = hardware.software_versions()
-    if T.SUMMARY_FINAL not in full:
-        full[T.SUMMARY_FINAL] = final_block(tables["steps"], math.nan, compiled_steps(full))
-    saving = _saving.Saving(run_dir)
+    # a Ctrl-C (``_signals``) is held from here until the tables are written: it stops the report alone
     with _signals.deferred():
+        run_dir = Path(run_dir)
+        full = dict(summary)
+        full.setdefault(T.SUMMARY_STATUS, T.STATUS_COMPLETE)
+        full.setdefault(T.SUMMARY_INCOMPLETE_REASON, None)
+        # the caller's status says how training ended; a failure to save after it (a full disk, Ctrl-C while the
+        # report renders) makes the run incomplete, and this says it lost files, not steps
+        full[T.SUMMARY_TRAINING_FINISHED] = full[T.SUMMARY_STATUS] == T.STATUS_COMPLETE
+        if T.SUMMARY_HARDWARE not in full:
+            full.update(describe_machine((full.get(T.SUMMARY_CAPTURE) or {}).get("device")))
+        # what precprof train records and a Profiler in the user's own loop did not (a notebook had no torch version
+        # and no final loss, and the report no Software rows): the versions of this process, and the final figures
+        # as the report's header reads them off the steps table (no wall-clock time: the loop around them is the
+        # user's)
+        if T.SUMMARY_VERSIONS not in full:
+            full[T.SUMMARY_VERSIONS] = hardware.software_versions()
+        if T.SUMMARY_FINAL not in full:
+            full[T.SUMMARY_FINAL] = final_block(tables["steps"], math.nan, compiled_steps(full))
+        saving = _saving.Saving(run_dir)
         full.update(post_process(tables, full, facts))
         saving.write_tables(tables)
     interrupted: KeyboardInterrupt | None = None

@@ -1170,6 +1170,54 @@ def test_ctrl_c_while_the_tables_are_written_is_not_lost(
     assert len(T.read_tables(out)["steps"]) == 4 and not (out / T.REPORT_FILE).exists()
 
 
+def _ctrl_c() -> None:
+    """A real SIGINT to this process, its handler run here (a loop's jump back runs pending signal handlers)."""
+    os.kill(os.getpid(), signal.SIGINT)
+    for _ in range(1000):
+        pass
+
+
+def _a_run_that_trained_to_its_end_and_was_interrupted(out: Path) -> None:
+    """What a Ctrl-C after the last step leaves: every planned step saved, its loss the summary's final loss,
+    the run incomplete for its saving, not for its training."""
+    summary = T.read_summary(out)
+    assert summary[T.SUMMARY_STATUS] == T.STATUS_INCOMPLETE
+    assert "interrupted before or while rendering report.html" in summary[T.SUMMARY_INCOMPLETE_REASON]
+    assert summary[T.SUMMARY_TRAINING_FINISHED] is True
+    steps = T.read_tables(out)["steps"]
+    assert len(steps) == 4 == summary[T.SUMMARY_FINAL]["steps_done"]
+    assert summary[T.SUMMARY_FINAL]["final_loss"] == pytest.approx(float(steps[T.LOSS].iloc[-1]))
+    assert not (out / T.REPORT_FILE).exists() and no_tmp_files(out)
+    said = cli._saved(out)
+    assert said.startswith(f" after training finished: the run is in {out} (4 finished steps)"), said
+
+
+def test_ctrl_c_while_the_finished_runs_tables_are_read_saves_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Ctrl-C a moment after the last step, while the finished run's tables were read for its summary (before
+    its save began, t4), saved nothing: summary.json still said "running (pid ...)", no tables, no report, and
+    the terminal said the partial run was saved and how to render it. It is held until the run is saved whole,
+    then stops the command as a Ctrl-C while the report renders does."""
+    from precprof import _signals
+    from precprof.capture import Profiler
+
+    tables, sent = Profiler.tables, []
+
+    def ctrl_c_then_tables(self: Profiler) -> dict[str, pd.DataFrame]:
+        if not sent:
+            sent.append(True)
+            _ctrl_c()
+        return tables(self)
+
+    monkeypatch.setattr(Profiler, "tables", ctrl_c_then_tables)
+    out = tmp_path / "run"
+    with _signals.handling(), pytest.raises(_signals.Interrupted) as info:
+        train(tiny_config(out))
+    assert sent and info.value.exit_code == 130
+    _a_run_that_trained_to_its_end_and_was_interrupted(out)
+
+
 CTRL_C_WHILE_RENDERING = textwrap.dedent(
     """
     import os, signal, sys, weakref

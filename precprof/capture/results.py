@@ -12,7 +12,7 @@ import pandas as pd
 import torch
 from torch import nn
 
-from precprof import _compat, parts, rundir, runfiles
+from precprof import _compat, _signals, parts, rundir, runfiles
 from precprof import stats as st
 from precprof import tables as T
 from precprof._run_finisher import machine_describer, run_finisher, run_renderer
@@ -500,14 +500,16 @@ class ProfilerResults:
             raise RuntimeError("precprof.pipeline, which writes run directories, is not loaded")
         # refused in one line where another run is there: a killed run's stream may be its only record
         claimed = None if self._ours(run_dir) else rundir.claim(run_dir, overwrite=overwrite, option="path")
-        try:  # mid-run, its time is not the step's (``not_training``)
-            with self.not_training(), self._recorded.saving(run_dir):
+        # mid-run, its time is not the step's (``not_training``); a Ctrl-C while the stream drains or the tables
+        try:  # are read is held (``_signals``) until the finisher wrote them: it raises it before rendering
+            with (held := _signals.holding()), self.not_training(), self._recorded.saving(run_dir):
                 full = self.run_summary(summary, status, reason)
                 tables, live = self.tables(), None
                 if self._attached:  # a look at the run so far, saying so as ``_snapshot``'s does
                     last = int(ended.max()) if len(ended := tables["steps"][T.STEP].dropna()) else None
                     live = rundir.live_note(run_dir, last, recording=True, streamed=False)
                     full[T.SUMMARY_STATUS], full[T.SUMMARY_INCOMPLETE_REASON] = T.STATUS_INCOMPLETE, live
+                held.close()
                 written = finisher(
                     run_dir,
                     tables,

@@ -804,9 +804,15 @@ def _run(s: _Setup, callbacks: Sequence[Callback], claimed: rundir.RunDir | None
         raise
     finally:
         held.close()  # the handlers as they were (closing twice is harmless)
-    bar.close()
+    # a Ctrl-C or SIGTERM from here on is the save's: held (the tables read for the summary) until the run is
+    # written whole, then raised before its report renders (``pipeline.finish_run``), as one while it renders (it
+    # had left the summary saying "running", nothing saved)
+    with _signals.deferred():
+        bar.close()
+        steps_table = _tabulate(s, prof, wall_s, steps_done)
     try:
-        steps_table = _save(s, prof, wall_s, steps_done, None)
+        _save(s, prof, wall_s, steps_done, None, steps_table)
+        _signals.check()  # one held where the save raised none (a rank that writes no run directory)
     except KeyboardInterrupt as e:  # Ctrl-C while the report rendered, or held while the run was written
         _saved_to(e, s, "the run")
         raise
@@ -863,36 +869,23 @@ def not_a_language_model(name: str, x: torch.Tensor, e: BaseException) -> UserEr
     )
 
 
-def _save(s: _Setup, prof: Profiler, wall_s: float, steps_done: int, reason: str | None) -> pd.DataFrame:
-    """Write the run directory (complete when ``reason`` is None); returns the steps table.
+def _save(
+    s: _Setup,
+    prof: Profiler,
+    wall_s: float,
+    steps_done: int,
+    reason: str | None,
+    steps_table: pd.DataFrame | None = None,
+) -> pd.DataFrame:
+    """Write the run directory (complete when ``reason`` is None); returns the steps table (``steps_table``:
+    ``_tabulate``'s, already taken).
 
     For an incomplete run this is best effort: a failure here must not hide the exception that stopped
     training (the caller re-raises it).
     """
     try:
-        steps_table = prof.tables()["steps"]
-        finished = T.finished_steps(steps_table)
-        # how many steps ran the compiled model: a sampled step runs it eagerly, for the hooks (a run whose every
-        # step was sampled ran none, and its config said "compiled (torch.compile)")
-        cfg = s.summary[T.SUMMARY_CONFIG]
-        cfg.update(
-            compiling.ran(
-                s.config.compile,
-                bool(cfg.get("compile")),
-                s.config.precision,
-                len(finished),
-                int(T.flags(finished[T.SAMPLED]).sum()) if T.SAMPLED in finished else 0,
-                eager_when_sampled=hasattr(torch.compiler, "set_stance"),
-            )
-        )
-        s.summary[T.SUMMARY_FINAL] = _final(
-            finished,
-            wall_s,
-            s.data.describe(),
-            steps_done,
-            s.tokens_per_step,
-            prof.compiled_steps,
-        )
+        if steps_table is None:
+            steps_table = _tabulate(s, prof, wall_s, steps_done)
         status = T.STATUS_COMPLETE if reason is None else T.STATUS_INCOMPLETE
         render = s.config.report and s.writer
         prof.save(s.run_dir, summary=s.summary, status=status, reason=reason, render=render)
@@ -903,3 +896,32 @@ def _save(s: _Setup, prof: Profiler, wall_s: float, steps_done: int, reason: str
         # (said, never raised: the training's own error goes on)
         notice(f"precprof: could not save the partial run to {s.run_dir}: {err}")
         return pd.DataFrame()
+
+
+def _tabulate(s: _Setup, prof: Profiler, wall_s: float, steps_done: int) -> pd.DataFrame:
+    """The run's steps table, and what the summary takes from it: its configuration's compiled steps and its
+    final block (``_final``)."""
+    steps_table = prof.tables()["steps"]
+    finished = T.finished_steps(steps_table)
+    # how many steps ran the compiled model: a sampled step runs it eagerly, for the hooks (a run whose every
+    # step was sampled ran none, and its config said "compiled (torch.compile)")
+    cfg = s.summary[T.SUMMARY_CONFIG]
+    cfg.update(
+        compiling.ran(
+            s.config.compile,
+            bool(cfg.get("compile")),
+            s.config.precision,
+            len(finished),
+            int(T.flags(finished[T.SAMPLED]).sum()) if T.SAMPLED in finished else 0,
+            eager_when_sampled=hasattr(torch.compiler, "set_stance"),
+        )
+    )
+    s.summary[T.SUMMARY_FINAL] = _final(
+        finished,
+        wall_s,
+        s.data.describe(),
+        steps_done,
+        s.tokens_per_step,
+        prof.compiled_steps,
+    )
+    return steps_table
