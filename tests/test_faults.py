@@ -1218,6 +1218,39 @@ def test_ctrl_c_while_the_finished_runs_tables_are_read_saves_it(
     _a_run_that_trained_to_its_end_and_was_interrupted(out)
 
 
+def test_ctrl_c_while_the_profiler_detaches_after_the_last_step_keeps_the_run_finished(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Ctrl-C while the Profiler detached after the last step (its last copy of the steps to the host) was
+    the training's interrupt: the run said it stopped after an earlier step, training_finished false, and its
+    final loss was an earlier step's, the steps table's last another (t4). The detach finishes first; the run
+    is the finished one, interrupted while it was saved."""
+    from precprof import _signals
+    from precprof.capture import Profiler
+    from precprof.stats import transfer
+
+    detach, to_host, detaching, sent = Profiler.detach, transfer.to_host, [], []
+
+    def detach_marked(self: Profiler) -> None:
+        detaching.append(True)
+        detach(self)
+
+    def ctrl_c_in_the_copy(tensors: list[torch.Tensor]) -> object:
+        copied = to_host(tensors)
+        if detaching and not sent:  # the last steps taken off the pending list, not yet recorded
+            sent.append(True)
+            _ctrl_c()
+        return copied
+
+    monkeypatch.setattr(Profiler, "detach", detach_marked)
+    monkeypatch.setattr(transfer, "to_host", ctrl_c_in_the_copy)
+    out = tmp_path / "run"
+    with _signals.handling(), pytest.raises(_signals.Interrupted) as info:
+        train(tiny_config(out))
+    assert sent and info.value.exit_code == 130
+    _a_run_that_trained_to_its_end_and_was_interrupted(out)
+
+
 CTRL_C_WHILE_RENDERING = textwrap.dedent(
     """
     import os, signal, sys, weakref

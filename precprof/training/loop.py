@@ -685,6 +685,11 @@ def _run(s: _Setup, callbacks: Sequence[Callback], claimed: rundir.RunDir | None
     held = torch_log.Held.of_torch(compiling.should_compile(config.compile, config.precision))
     t_start = time.perf_counter()
     t_refresh, steps_at_refresh = t_start, 0
+    # once the last step trained, a Ctrl-C or SIGTERM is the save's, not the training's: held (its record, the
+    # Profiler's detach, the tables read for the summary) until the run is written whole, then raised before its
+    # report renders (``pipeline.finish_run``), as one while it renders (it had stopped the finished run as a
+    # partial one, its summary left saying "running", or its final loss an earlier step's)
+    finishing = contextlib.ExitStack()
     try:
         with tf32_flags(s.plan.tf32, device), prof:
             for cb in callbacks:
@@ -721,6 +726,8 @@ def _run(s: _Setup, callbacks: Sequence[Callback], claimed: rundir.RunDir | None
                 scaler.step(optimizer)  # skips the step when a gradient is inf/nan
                 scaler.update()
                 optimizer.zero_grad(set_to_none=True)
+                if step == config.steps - 1:  # the last step trained: what follows is the run's end
+                    finishing.enter_context(_signals.deferred())
                 with _signals.deferred(note=None):  # the step is recorded and counted, or neither
                     prof.step(loss=run.loss, grad_norm=norm, tokens=s.tokens_per_step)
                     steps_done = step + 1
@@ -752,6 +759,7 @@ def _run(s: _Setup, callbacks: Sequence[Callback], claimed: rundir.RunDir | None
                 cb.on_end(run)
     except BaseException as e:
         with _signals.deferred():  # a second Ctrl-C must not cut the save short
+            finishing.close()  # (an error after the last step: this save holds them)
             with contextlib.suppress(OSError):  # after SIGHUP the terminal may be gone: the run still saves
                 bar.close()
             interrupted = _signals.as_interrupted(e)
@@ -804,10 +812,7 @@ def _run(s: _Setup, callbacks: Sequence[Callback], claimed: rundir.RunDir | None
         raise
     finally:
         held.close()  # the handlers as they were (closing twice is harmless)
-    # a Ctrl-C or SIGTERM from here on is the save's: held (the tables read for the summary) until the run is
-    # written whole, then raised before its report renders (``pipeline.finish_run``), as one while it renders (it
-    # had left the summary saying "running", nothing saved)
-    with _signals.deferred():
+    with finishing:
         bar.close()
         steps_table = _tabulate(s, prof, wall_s, steps_done)
     try:
