@@ -140,15 +140,19 @@ class Saving:
             text += f"; left out of summary.json (no room): {', '.join(left_out)}"
         return text
 
-    def drop_report(self, report: Path) -> bool:
-        """Remove the report written (for summary.json's room, or because it shows a status the summary will
-        not have); whether it was there."""
+    def drop_report(self, report: Path, e: OSError | None) -> bool:
+        """Remove the report written, for the room of summary.json, which could not be written beside it
+        (``e``); whether it was there. The run is incomplete then, with that cause: the report is not saved
+        (a run that saved all but its page had said "complete", and its warning "not saved whole: None")."""
         if report.name not in self.saved:
             return False
         with contextlib.suppress(OSError):
             report.unlink()
         self.saved.remove(report.name)
         self.lost.append(report.name)
+        if self.failure is None:
+            cause = why(e) if e is not None else "no room"
+            self.failure = f"{report.name} was removed to make room for summary.json ({cause})"
         return True
 
     def free_room(self) -> Iterator[str]:

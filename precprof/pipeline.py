@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -145,11 +144,11 @@ def finish_run(
     with _signals.deferred():
         written = _write_summary(run_dir, full, saving, report)
     if saving.failure or saving.lost or saving.left_out or saving.summary_error:
-        warnings.warn(
+        # at the user's line (Profiler.save, Profiler.report, a callback, the end of a `with`), never raised
+        notice(
             RunNotSavedWarning(
                 f"precprof: {run_dir} was not saved whole: {written[T.SUMMARY_INCOMPLETE_REASON]}"
-            ),
-            stacklevel=3,
+            )
         )
     if interrupted is not None:
         raise interrupted
@@ -183,7 +182,7 @@ def _write_summary(
     levels = list(_saving.summary_levels(full))
     done = attempt(*levels[0])
     # the page claims the status the summary was about to have, and is the largest file: it goes first
-    if done is None and saving.drop_report(report):
+    if done is None and saving.drop_report(report, saving.summary_error):
         done = attempt(*levels[0])
     for doc, left in levels[1:]:
         if done is not None:

@@ -515,6 +515,50 @@ def test_a_save_that_could_not_write_is_not_the_next_saves_cause(
         assert sorted(set(tables["layers"][T.STEP])) == [0, 2]
 
 
+def test_a_report_removed_for_the_summarys_room_makes_the_run_incomplete_at_the_users_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A disk with room for report.html but not for summary.json beside it: the page is removed so that the
+    summary fits. The run said "complete" (incomplete_reason null), and its warning "was not saved whole: None"
+    at precprof/capture/results.py's line, not at the user's prof.report() (t4). Now it is incomplete, saying
+    the report was removed and why, training_finished still true, and the warning is at the user's line."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    out = tmp_path / "run"
+    prof = precprof.Profiler(model, opt, out=out, sample_every=1)
+    with prof:
+        for _ in range(3):
+            loss = model(torch.randn(4, 8)).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            prof.step(loss=loss.detach())
+    real = _atomic.write_bytes
+
+    def no_room_beside_the_report(path: str | os.PathLike[str], data: bytes) -> Path:
+        path = Path(path)
+        if path.name == T.SUMMARY_FILE and (path.parent / T.REPORT_FILE).exists():
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(path, data)
+
+    monkeypatch.setattr(_atomic, "write_bytes", no_room_beside_the_report)
+    with pytest.warns(RunNotSavedWarning) as said:
+        here = inspect.currentframe().f_lineno + 1  # type: ignore[union-attr]
+        prof.report()
+    [warning] = [w for w in said if issubclass(w.category, RunNotSavedWarning)]
+    assert (warning.filename, warning.lineno) == (__file__, here), (warning.filename, warning.lineno)
+    summary = T.read_summary(out)
+    reason = summary[T.SUMMARY_INCOMPLETE_REASON]
+    assert summary[T.SUMMARY_STATUS] == T.STATUS_INCOMPLETE and summary[T.SUMMARY_TRAINING_FINISHED], summary
+    assert reason.startswith(f"{T.REPORT_FILE} was removed to make room for summary.json"), reason
+    assert "No space left on device" in reason and f"not saved: {T.REPORT_FILE}" in reason, reason
+    assert str(warning.message) == f"precprof: {out} was not saved whole: {reason}"
+    assert prof.status == (T.STATUS_INCOMPLETE, reason)
+    assert not (out / T.REPORT_FILE).exists() and no_tmp_files(out)
+    assert T.read_tables(out)["steps"][T.STEP].tolist() == [0, 1, 2]
+
+
 def test_each_smaller_summary_keeps_what_the_larger_one_had_but_its_bulk() -> None:
     full = {
         T.SUMMARY_CONFIG: {"steps": 3},
