@@ -81,10 +81,13 @@ def finish_run(
     render: bool = True,
     report_path: str | os.PathLike[str] | None = None,
     live: str | None = None,
+    lost: str | None = None,
 ) -> dict[str, Any]:
     """Write the run directory in the order of the module docstring; returns the summary as written (or, when
     none could be, as it would have been). ``live``: the line of a snapshot of a run still recording
-    (``rundir.live_note``; ``Profiler.save`` while attached, without ``out``), for the page's banner.
+    (``rundir.live_note``; ``Profiler.save`` while attached, without ``out``), for the page's banner. ``lost``:
+    what the recording lost before the save (``Recorded.lost``: the steps its stream wrote, its folder removed
+    mid-run): the run is incomplete with that cause, its ``training_finished`` as its status said.
 
     ``summary`` must already carry its status (``complete``: training ran to its end, which the summary's
     ``training_finished`` keeps whatever the saving does; ``incomplete``) and reason; its hardware block is
@@ -102,6 +105,8 @@ def finish_run(
         # the caller's status says how training ended; a failure to save after it (a full disk, Ctrl-C while the
         # report renders) makes the run incomplete, and this says it lost files, not steps
         full[T.SUMMARY_TRAINING_FINISHED] = full[T.SUMMARY_STATUS] == T.STATUS_COMPLETE
+        if lost:
+            _incomplete(full, lost)
         if T.SUMMARY_HARDWARE not in full:
             full.update(describe_machine((full.get(T.SUMMARY_CAPTURE) or {}).get("device")))
         # what precprof train records and a Profiler in the user's own loop did not (a notebook had no torch version
@@ -143,7 +148,7 @@ def finish_run(
             )
     with _signals.deferred():
         written = _write_summary(run_dir, full, saving, report)
-    if saving.failure or saving.lost or saving.left_out or saving.summary_error:
+    if lost or saving.failure or saving.lost or saving.left_out or saving.summary_error:
         # at the user's line (Profiler.save, Profiler.report, a callback, the end of a `with`), never raised
         notice(
             RunNotSavedWarning(

@@ -401,7 +401,8 @@ def test_a_disk_that_fills_up_keeps_what_fits_and_exits_1(
     the tables and a trimmed summary but not the report; 60 kB the small tables; 12 kB a summary."""
     out = tmp_path / "run"
     small_disk(monkeypatch, out, size)
-    rc, stdout, err = run_main(["train", "--out", str(out), *TINY, "--steps", "12"], capsys)
+    with pytest.warns(UserWarning, match=r"stream of .* stopped writing.* No space left on device"):
+        rc, stdout, err = run_main(["train", "--out", str(out), *TINY, "--steps", "12"], capsys)
     assert rc == 1, err
     summary = assert_says_what_it_kept(out, err)
     assert f"run directory: {out}" in stdout
@@ -597,9 +598,12 @@ def test_disk_full_on_a_real_tmpfs(tmp_path: Path, capfd: pytest.CaptureFixture[
         pytest.skip(f"cannot mount a tmpfs here: {res.stderr.decode().strip()}")
     try:
         out = mnt / "run"
-        _, _, err = run_main(
-            ["train", "--out", str(out), *TINY, "--steps", "60", "--sample-every", "1"], capfd
-        )
+        with pytest.warns(
+            UserWarning, match=r"stream of .* stopped writing after step \d+ .* left: the stream"
+        ):
+            _, _, err = run_main(
+                ["train", "--out", str(out), *TINY, "--steps", "60", "--sample-every", "1"], capfd
+            )
         assert "Traceback" not in err, err
         summary = T.read_summary(out)
         assert summary[T.SUMMARY_STATUS] == T.STATUS_INCOMPLETE, summary.get(T.SUMMARY_INCOMPLETE_REASON)

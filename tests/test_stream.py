@@ -8,6 +8,7 @@ import contextlib
 import errno
 import gc
 import html as html_text
+import inspect
 import json
 import math
 import os
@@ -36,7 +37,7 @@ from precprof import cli, parts, pipeline, rundir, runfiles
 from precprof import tables as T
 from precprof.analysis.comparison import runs
 from precprof.capture import stream, unsaved, writer_process
-from precprof.errors import UserError
+from precprof.errors import RunNotSavedWarning, UserError
 from precprof.report import filters as F
 
 WORKER = Path(__file__).with_name("stream_worker.py")
@@ -1493,7 +1494,10 @@ def test_a_flush_that_cannot_become_arrow_ends_no_training(
     monkeypatch.setattr(stream, "USE_PROCESS", False)
     monkeypatch.setattr(T, "arrow_of_columns", broken)
     kept = tiny_run(None, 5, sample_every=2).tables()
-    streamed = tiny_run(tmp_path / "run", 5, sample_every=2)
+    with pytest.warns(
+        UserWarning, match=r"stopped writing \(ValueError: no Arrow today\): the steps from then"
+    ):
+        streamed = tiny_run(tmp_path / "run", 5, sample_every=2)
     sink = streamed._recorded.sink
     assert sink is not None and sink.writer == "thread" and sink.error == "ValueError: no Arrow today"
     tables = streamed.tables()
@@ -1510,7 +1514,8 @@ def test_a_writer_process_that_dies_ends_no_training_and_loses_no_row(tmp_path: 
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     prof = precprof.Profiler(model, opt, sample_every=2, out=tmp_path / "run")
-    with prof:
+    stopped = r"stopped writing after step \d \(the stream's writer process ended \(exit code -9\)\)"
+    with pytest.warns(UserWarning, match=stopped), prof:  # (said once: at a flush, or at the detach)
         sink = prof._recorded.sink
         assert sink is not None
         for step in range(8):
@@ -1540,6 +1545,46 @@ def test_a_writer_process_that_dies_ends_no_training_and_loses_no_row(tmp_path: 
     )
 
 
+def test_a_run_directory_removed_mid_run_says_which_steps_it_lost(tmp_path: Path) -> None:
+    """The run directory removed while the Profiler streams into it (``rm -rf`` of it, tester t4): training
+    goes on; the run was saved ``complete`` with the steps after the removal alone, the stream's error in the
+    summary's capture block its only trace. Now the stream's stop is a warning on the next sampled step
+    (which steps were lost, and why), and the save makes the run incomplete, saying which steps were lost, in
+    summary.json, in the page's top notice and in the RunNotSavedWarning at the user's line."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    out = tmp_path / "run"
+    prof = precprof.Profiler(model, opt, sample_every=1, out=out)
+    with prof:
+        sink = prof._recorded.sink
+        assert sink is not None
+        for step in range(3):
+            train_step(model, opt, prof, step)
+        sink.drain()  # steps 0-2 are on disk
+        shutil.rmtree(out)
+        train_step(model, opt, prof, 3)
+        sink.drain()  # the stream met the removal
+        with pytest.warns(UserWarning, match="stopped writing after step 2") as said:
+            train_step(model, opt, prof, 4)
+        assert "steps 0-2, written there, are lost" in str(said[0].message), str(said[0].message)
+        assert said[0].filename == __file__
+        train_step(model, opt, prof, 5)
+    with pytest.warns(RunNotSavedWarning, match="steps 0-2 were lost") as said:
+        here = inspect.currentframe().f_lineno + 1  # type: ignore[union-attr]
+        prof.report()
+    assert (said[0].filename, said[0].lineno) == (__file__, here)
+    summary = T.read_summary(out)
+    reason = summary[T.SUMMARY_INCOMPLETE_REASON]
+    assert summary[T.SUMMARY_STATUS] == T.STATUS_INCOMPLETE and summary[T.SUMMARY_TRAINING_FINISHED], summary
+    assert reason.startswith(f"steps 0-2 were lost: the stream wrote them to {out}, which no longer"), reason
+    assert "FileNotFoundError" in reason, reason
+    assert prof.status == (T.STATUS_INCOMPLETE, reason)
+    assert T.read_tables(out)["steps"][T.STEP].tolist() == [3, 4, 5]
+    page = html_text.unescape(re.sub(r"<[^>]+>", "", (out / T.REPORT_FILE).read_text()))
+    assert f"Incomplete run. {reason}" in " ".join(page.split()), reason
+
+
 def test_a_save_that_did_not_fit_whole_leaves_every_step_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1561,7 +1606,7 @@ def test_a_save_that_did_not_fit_whole_leaves_every_step_once(
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     out = tmp_path / "run"
     prof = precprof.Profiler(model, opt, sample_every=2, out=out)
-    with prof:
+    with pytest.warns(UserWarning, match=r"stopped writing after step 2 \(ZeroDivisionError"), prof:
         sink = prof._recorded.sink
         assert sink is not None
         for step in range(7):

@@ -18,6 +18,7 @@ from typing import Any
 import pandas as pd
 
 from precprof import tables as T
+from precprof._notice import notice
 from precprof.capture.records import HostFloats, _PendingStep
 from precprof.flush import Flush, StepRows
 
@@ -59,6 +60,7 @@ class Recorded:
         # per table: the file a save into the stream's run directory wrote it whole to (its identity), and how
         # many of the flushes the stream could not write that save held (``saving``)
         self._saved_whole: dict[str, tuple[tuple[int, int, int], int]] = {}
+        self._stop_said = False  # whether the stream's stop was said (``_say_stopped``)
 
     @staticmethod
     def step_floats(pending: list[_PendingStep]) -> HostFloats:
@@ -129,11 +131,58 @@ class Recorded:
         new, self.new = self.new, Flush()
         if self.sink is not None:
             self.sink.put(new)
+            if self.sink.error is not None and not self._stop_said:
+                self._say_stopped()
         elif self._keep:
             self.kept.extend(new)
         else:
             self.kept.step_rows += new.step_rows
         return new
+
+    def close_stream(self) -> None:
+        """End the stream's writing (``StreamWriter.close``: what is queued is written first); a stop of the
+        stream that no flush said yet (it met its failure writing the last ones) is said now."""
+        if self.sink is not None:
+            self.sink.close()
+            if self.sink.error is not None and not self._stop_said:
+                self._say_stopped()
+
+    def _say_stopped(self) -> None:
+        """Say, once, on the training's thread, that the stream stopped writing (a full disk, its folder
+        removed): the steps from then on are held in memory, and those it wrote are lost where its folder is
+        gone. Silent, a run whose folder was removed mid-run was saved with the steps after it alone."""
+        self._stop_said = True
+        sink = self.sink
+        written, error = sink.steps_written, " ".join(str(sink.error).split())
+        after = f" after step {written[-1][1]}" if written else ""
+        if not sink.parts_gone():
+            notice(
+                f"precprof: the stream of {sink.run_dir} stopped writing{after} ({error}): the steps from then on "
+                "are kept in memory until the run is saved"
+            )
+            return
+        where = sink.run_dir if not Path(sink.run_dir).is_dir() else sink.segment.path
+        notice(
+            f"precprof: the stream stopped writing{after}: {where} was removed while the run recorded into it "
+            f"({error}); steps {spans(s for lo, hi in written for s in range(lo, hi + 1))}, written there, are "
+            "lost. The steps from then on are kept in memory and saved with the run, which says it is incomplete"
+        )
+
+    def lost(self, steps: pd.DataFrame) -> str | None:
+        """The run's incomplete cause where steps the stream wrote are not in ``steps`` (the steps table a
+        save writes: its folder was removed while the run recorded); None when every one is."""
+        sink = self.sink
+        if sink is None or not sink.steps_written:
+            return None
+        have = set(steps[T.STEP].dropna().astype(int)) if T.STEP in steps else set()
+        gone = [s for lo, hi in sink.steps_written for s in range(lo, hi + 1) if s not in have]
+        if not gone:
+            return None
+        why = f"; the stream stopped: {' '.join(str(sink.error).split())}" if sink.error else ""
+        return (
+            f"steps {spans(gone)} were lost: the stream wrote them to {sink.run_dir}, which no longer holds them "
+            f"(removed while the run recorded{why})"
+        )
 
     def tables(self) -> dict[str, pd.DataFrame]:
         """The four tables (see precprof/tables.py for the schema): with a stream, the run directory's parts
@@ -196,3 +245,14 @@ class Recorded:
         except OSError:
             return None
         return st.st_dev, st.st_ino, st.st_mtime_ns
+
+
+def spans(steps: Iterator[int] | list[int]) -> str:
+    """Ascending step numbers as ranges: "0-8, 12, 14-15"."""
+    out: list[list[int]] = []
+    for step in steps:
+        if out and step == out[-1][1] + 1:
+            out[-1][1] = step
+        else:
+            out.append([step, step])
+    return ", ".join(f"{lo}-{hi}" if hi > lo else str(lo) for lo, hi in out)

@@ -186,9 +186,7 @@ class ProfilerResults:
         )
 
     def _close_stream(self) -> None:
-        sink = self._recorded.sink
-        if sink is not None:
-            sink.close()
+        self._recorded.close_stream()
 
     @property
     def run_dir(self) -> Path | None:
@@ -518,6 +516,7 @@ class ProfilerResults:
                     render=render,
                     report_path=report_path,
                     live=live,
+                    lost=self._recorded.lost(tables["steps"]),
                 )
                 del tables
         finally:

@@ -25,8 +25,10 @@ Invariants:
   queued behind it. Sending each flush on into the pipe at once would keep the queued ones too.
 - A failure to write (a full disk, a read-only file system, the process ended) never raises into training: the
   flush that failed and every later one are kept in memory instead (``unwritten``), ``error`` says why, and
-  the tables still hold every row. The stream also stops while less than ``RESERVE_BYTES`` are free, so that
-  the end of the run still has room to write summary.json with the cause.
+  the tables still hold every row, unless what the stream wrote is gone (its folder removed mid-run:
+  ``steps_written`` says which steps it wrote, ``parts_gone`` whether its folder is still there). The stream
+  also stops while less than ``RESERVE_BYTES`` are free, so that the end of the run still has room to write
+  summary.json with the cause.
 - ``drain()`` returns when everything queued is on disk; ``close()`` also ends the thread, and ``reopen()``
   starts it again (the process stays the run's; ``end()`` gives it back). None touches a device: the rows were
   copied to the host by the Profiler's one sync.
@@ -51,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from precprof import _atomic, _signals, parts, stream_child
+from precprof import tables as T
 from precprof.capture import writer_process
 from precprof.flush import Flush
 from precprof.stream_child import RESERVE_BYTES
@@ -79,6 +82,8 @@ class StreamWriter:
         self.error: str | None = None
         self.unwritten: list[Flush] = []
         self.parts_written = 0
+        # the steps whose rows this writer put on disk, as [first, last] ranges (one for a run's usual steps)
+        self.steps_written: list[list[int]] = []
         self.compact_error: str | None = None  # why the last merge of parts failed (they stay single)
         # who writes: a process of its own, or this writer's thread
         self.writer = "process" if USE_PROCESS else "thread"
@@ -199,6 +204,22 @@ class StreamWriter:
             if len(self._queue.queue) >= self._queue.maxsize:
                 self._queue.not_full.wait(0.05)
 
+    def parts_gone(self) -> bool:
+        """Whether this writer wrote parts and their folder is no longer there (removed while the run streamed:
+        the steps it wrote are lost)."""
+        return bool(self.steps_written) and not self._where.is_dir()
+
+    def _note_written(self, flushes: list[Flush]) -> None:
+        """Add the steps of ``flushes``, on disk now, to ``steps_written``."""
+        ranges = self.steps_written
+        for flush in flushes:
+            for row in flush.step_rows:
+                step = int(row[T.STEP])
+                if ranges and ranges[-1][0] <= step <= ranges[-1][1] + 1:
+                    ranges[-1][1] = max(ranges[-1][1], step)
+                else:
+                    ranges.append([step, step])
+
     def held(self) -> list[Flush]:
         """The flushes in host memory: queued, being written, or kept after a failure to write."""
         with self._queue.mutex:
@@ -300,9 +321,11 @@ class StreamWriter:
             for f in batch:
                 f._wire = None
             self._hand_over([w for w in wires if w is not None])
+            self._note_written(batch)
             return
         for i, flush in enumerate(batch):
             self._write(flush)
+            self._note_written([flush])
             self._current = batch[i + 1 :]  # (written: no longer held here)
 
     def _write(self, flush: Flush) -> None:
