@@ -1881,21 +1881,31 @@ def test_a_forked_child_holds_no_pipe_of_the_writer_process(
     assert len(T.read_tables(tmp_path / "run")["steps"]) == 16
 
 
-@pytest.mark.parametrize("python", ["missing", "echo", "fails"])
+@pytest.mark.parametrize("python", ["missing", "echo", "fails", "killed"])
 def test_where_the_writer_process_cannot_start_the_thread_writes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, python: str
 ) -> None:
-    """No Python to start (a frozen application), one that says something else than ready, or one that fails
-    saying why on stderr: the writer thread writes the parts itself, the summary says so and why, and the run
-    reads as one kept in memory."""
+    """No Python to start (a frozen application), one that says something else than ready, one that fails
+    saying why on stderr, or one killed while it starts (SIGKILL, the OOM killer): the writer thread writes the
+    parts itself, the summary says so and why, in words (a process killed while starting was "RuntimeError: it
+    said b''", tester t4), and the run reads as one kept in memory."""
     fails = tmp_path / "fails.sh"
     fails.write_text("#!/bin/sh\necho 'ModuleNotFoundError: No module named pyarrow' >&2\nexit 3\n")
-    fails.chmod(0o755)
-    executable = {"missing": str(tmp_path / "no-python"), "echo": "/bin/echo", "fails": str(fails)}[python]
+    killed = tmp_path / "killed.sh"
+    killed.write_text("#!/bin/sh\nkill -9 $$\n")
+    for script in (fails, killed):
+        script.chmod(0o755)
+    executable = {
+        "missing": str(tmp_path / "no-python"),
+        "echo": "/bin/echo",
+        "fails": str(fails),
+        "killed": str(killed),
+    }[python]
     why = {
         "missing": "(FileNotFoundError",
-        "echo": "(RuntimeError: it said b'-c import sys",
-        "fails": "(RuntimeError: it said b'': ModuleNotFoundError: No module named pyarrow)",
+        "echo": "(it printed '-c import sys",
+        "fails": "(it ended before it was ready, exit code 3: ModuleNotFoundError: No module named pyarrow)",
+        "killed": "(it was killed (SIGKILL) before it was ready)",
     }[python]
     monkeypatch.setattr(sys, "executable", executable)
     kept = tiny_run(None, 5, sample_every=2).tables()

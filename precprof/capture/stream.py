@@ -380,12 +380,14 @@ class StreamWriter:
             return True
         if proc.failed is not None:  # it ended, or is not ours
             self._give_back()
-            self._no_process(RuntimeError(proc.failed))
+            self._no_process(proc.failed)
         return False
 
-    def _no_process(self, e: Exception) -> None:
+    def _no_process(self, why: Exception | str) -> None:
+        """The thread writes: the process could not start (``why``: the error, or the process's ``failed``)."""
         self.writer = "thread"
-        self.writer_note = f"the stream's writer process did not start ({type(e).__name__}: {e})"
+        said = why if isinstance(why, str) else f"{type(why).__name__}: {why}"
+        self.writer_note = f"the stream's writer process did not start ({said})"
 
     def _give_back(self) -> None:
         release, self._release, self._proc = self._release, None, None

@@ -21,6 +21,7 @@ import itertools
 import json
 import os
 import select
+import signal
 import subprocess
 import sys
 import tempfile
@@ -107,10 +108,26 @@ class WriterProcess:
             if line == stream_child.READY:
                 self.ready = True
             else:  # it ended, or is not ours
-                self.proc.kill()
-                self.proc.wait()
-                self.failed = f"it said {line!r}{self.said()}"
+                self.failed = self._not_ready(line)
             return self.ready
+
+    def _not_ready(self, line: bytes) -> str:
+        """Why the process, which said ``line`` where its ready line was due, is no writer, in words: it ended
+        (b"", its end's exit code or signal and its last line on stderr; it said "RuntimeError: it said b''"
+        of a process killed while it started), or it is not ours (what it said). Ends it."""
+        if not line:  # its output closed: it ends (its exit code, not the kill's below)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(1)
+        self.proc.kill()
+        self.proc.wait()
+        if line:
+            said = line.decode(errors="replace").strip()[:200]
+            return f"it printed {said!r} instead of saying it was ready{self.said()}"
+        code = self.proc.returncode
+        if code < 0:  # (SIGKILL: the OOM killer, or a kill -9)
+            with contextlib.suppress(ValueError):
+                return f"it was killed ({signal.Signals(-code).name}) before it was ready{self.said()}"
+        return f"it ended before it was ready, exit code {code}{self.said()}"
 
     def hand_over(
         self,
