@@ -71,7 +71,10 @@ def test_a_new_optimizer_the_profiler_was_not_given_is_said_once() -> None:
     prof, said = _run(loop, sample_every=1)
     assert len(said) == 1
     assert "in sampled step 3 an optimizer the Profiler was not given (AdamW) stepped" in said[0]
-    assert said[0].endswith("call prof.use_optimizer(new_opt) (a list when the loop steps several)")
+    assert said[0].endswith(
+        "give the Profiler every optimizer the loop steps (optimizer=[opt1, opt2]), or call "
+        "prof.use_optimizer(new_opt) for one made later (a list when the loop steps several)"
+    )
     assert prof.summary()["loop_order"] == {
         "optimizer_not_followed": {"first_step": 3, "steps": 3, "at": [3, 4, 5], "optimizers": ["AdamW"]}
     }
@@ -106,6 +109,65 @@ def test_a_new_optimizer_the_profiler_was_not_given_is_said_once() -> None:
     assert f.message.endswith(
         "Past sampled step 4 the capture lists no more steps: 1 sampled step after it without an update is not judged."
     )
+
+
+def test_a_second_optimizer_stepping_beside_the_given_one_is_a_finding() -> None:
+    """Two optimizers, the matrices' and the vectors', both stepping every step, one given to the Profiler (a
+    common slip, tester t2): no finding said so, only an info finding's last clause and the environment's row,
+    whose remedy was for a new optimizer made mid-run. A warning now names the other optimizer, what its updates'
+    absence leaves out, and the fix: give the Profiler every optimizer."""
+
+    def loop(prof: precprof.Profiler, model: nn.Module) -> None:
+        opt: torch.optim.Optimizer = prof.optimizer  # type: ignore[assignment]
+        vectors = torch.optim.AdamW([p for p in model.parameters() if p.dim() == 1], lr=1e-3)
+        for _ in range(4):
+            model(torch.randn(4, 8)).square().mean().backward()
+            opt.step()
+            vectors.step()
+            opt.zero_grad()
+            vectors.zero_grad()
+            prof.step()
+
+    prof, said = _run(loop, sample_every=1)
+    assert len(said) == 1 and "optimizer=[opt1, opt2]" in said[0]
+    assert prof.summary()["loop_order"]["optimizer_not_followed"]["at"] == [0, 1, 2, 3]
+    found = {
+        f.code: f
+        for f in advisor.recommend(dict(prof.tables()), summary={T.SUMMARY_CAPTURE: prof.summary()}).findings
+    }
+    f = found["steps_without_update"]
+    assert (
+        f.severity == "warning"
+        and f.title == "An optimizer the Profiler was not given stepped the model's parameters"
+    )
+    assert f.message.startswith(
+        "On 4 sampled steps (0, 1, 2, 3) an optimizer the Profiler was not given (AdamW) stepped the model's "
+        "parameters beside the one it was given (SGD)."
+    )
+    assert f.remedy.startswith(
+        "Give the Profiler every optimizer the loop steps: Profiler(model, optimizer=["
+    )
+    assert f.numbers == {"steps_other_optimizer": 4}
+    # both given: nothing said
+    model = _model()
+    mats, vecs = (
+        torch.optim.SGD([p for p in model.parameters() if p.dim() == 2], lr=0.1),
+        torch.optim.AdamW([p for p in model.parameters() if p.dim() == 1], lr=1e-3),
+    )
+    with precprof.Profiler(
+        model, optimizer=[mats, vecs], memory=False, block_formats=False, sample_every=1
+    ) as p2:
+        for _ in range(4):
+            model(torch.randn(4, 8)).square().mean().backward()
+            for o in (mats, vecs):
+                o.step()
+                o.zero_grad()
+            p2.step()
+    codes = [
+        f.code
+        for f in advisor.recommend(dict(p2.tables()), summary={T.SUMMARY_CAPTURE: p2.summary()}).findings
+    ]
+    assert "steps_without_update" not in codes
 
 
 def test_prof_step_every_third_optimizer_step_is_said() -> None:

@@ -352,8 +352,9 @@ def test_a_loop_out_of_order_is_said_with_the_fix(tmp_path: Path) -> None:
         "an optimizer the Profiler was not given (AdamW) stepped the model's parameters on 2 sampled steps from "
         "step 2: their weight updates were not read, and the memory section's optimizer states and the optimizer "
         "named here are those of the optimizers it was given; 1 sampled step (step 4) ran no forward, backward or "
-        "optimizer step (prof.step() called twice); to fix it, call prof.use_optimizer(new_opt) once the loop "
-        "makes a new optimizer and call prof.step() once per optimizer step, after optimizer.step()"
+        "optimizer step (prof.step() called twice); to fix it, give the Profiler every optimizer the loop steps, "
+        "as a list (prof.use_optimizer(new_opt) for one the loop makes later) and call prof.step() once per "
+        "optimizer step, after optimizer.step()"
     )
 
 

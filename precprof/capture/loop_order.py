@@ -50,7 +50,8 @@ NOT_STEPPED = T.LOOP_NOT_STEPPED
 ONCE_PER_STEP = "call prof.step() once per optimizer step, after optimizer.step()"
 AT_MAX = 256  # the sampled steps of a fault listed (``at``); past this many only counted
 _FIX = {
-    UNFOLLOWED: "call prof.use_optimizer(new_opt) (a list when the loop steps several)",
+    UNFOLLOWED: "give the Profiler every optimizer the loop steps (optimizer=[opt1, opt2]), or call "
+    "prof.use_optimizer(new_opt) for one made later (a list when the loop steps several)",
     SEVERAL: ONCE_PER_STEP,
     EMPTY: ONCE_PER_STEP,
     BEFORE_FORWARD: ONCE_PER_STEP,

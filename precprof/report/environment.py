@@ -802,7 +802,8 @@ _LOOP_FAULTS = {
         "an optimizer the Profiler was not given ({optimizers}) stepped the model's parameters on {steps}: their "
         "weight updates were not read, and the memory section's optimizer states and the optimizer named here are "
         "those of the optimizers it was given",
-        "call prof.use_optimizer(new_opt) once the loop makes a new optimizer",
+        "give the Profiler every optimizer the loop steps, as a list (prof.use_optimizer(new_opt) for one the loop "
+        "makes later)",
     ),
     T.LOOP_SEVERAL_STEPS: (
         "{steps} held up to {most} optimizer steps each: their rows add them up (each layer's activation calls "

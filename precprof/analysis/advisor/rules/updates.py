@@ -666,6 +666,8 @@ def _rule_steps_without_update(run: _Run, plan: _Plan) -> None:
     could_tell = [s for s in told if s not in listed and s not in unknown]
     accumulation = len(rest) >= 2 and len(rest) * 2 >= len(could_tell)
     if not other and not accumulation:
+        if at:  # (another optimizer stepped beside the one given: two optimizers, one handed over)
+            plan.add(_beside_given(run, at, classes, count))
         return
     accumulation_said = (
         f"On {len(rest)} of {len(could_tell)} sampled steps with weight gradients "
@@ -776,6 +778,30 @@ def _weights_seen(
         kinds = each.groupby(level=0).nunique()
         moved |= set(kinds.index[kinds > 1])
     return moved & candidates, set(steps.index[steps > 1])
+
+
+def _beside_given(run: _Run, at: list[int], classes: list[str], count: int) -> Finding:
+    """An optimizer the Profiler was not given stepped the model's parameters on sampled steps the one it was
+    given stepped too (a loop of two optimizers, the matrices' and the vectors', that handed one over): no
+    finding said so, and the page's remedy was for a new optimizer made mid-run (tester t2)."""
+    given = (run.summary.get(T.SUMMARY_CAPTURE) or {}).get("optimizer") or {}
+    name = given.get("class") if isinstance(given, dict) else None
+    others = f"another {name}" if name and classes == [name] else ", ".join(classes) or "another optimizer"
+    more = count - min(len(at), 6)
+    listed = ", ".join(str(s) for s in at[:6]) + (f" and {more} more" if more else "")
+    return Finding(
+        "steps_without_update",
+        WARNING,
+        "An optimizer the Profiler was not given stepped the model's parameters",
+        f"On {count} sampled step{'s' if count != 1 else ''} ({listed}) an optimizer the Profiler was not given "
+        f"({others}) stepped the model's parameters beside the one it was given{f' ({name})' if name else ''}. "
+        "Its updates were not read: the weight-update rows, the lost-update shares and the update-to-weight ratios "
+        "leave out the parameters it steps, and the memory table counts the states of the optimizer the Profiler "
+        "was given alone.",
+        "Give the Profiler every optimizer the loop steps: Profiler(model, optimizer=[opt1, opt2]) "
+        "(prof.use_optimizer([...]) for one made later).",
+        numbers={"steps_other_optimizer": count},
+    )
 
 
 def _rule_gradients_not_applied(run: _Run, plan: _Plan) -> None:
