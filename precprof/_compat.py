@@ -110,6 +110,40 @@ def tensor_version(x: torch.Tensor) -> int | None:
         return None
 
 
+def nested_values(x: torch.Tensor) -> torch.Tensor | None:
+    """The elements of the nested tensor ``x`` (``torch.nested``, strided or jagged layout) as one plain tensor,
+    one after another: ``(total, *rest)`` when they differ in their first dimension alone (a padded batch's
+    sequences: a block of the last dimension is one element's, as in the tensor), else flat. Its values as they
+    are, no copy, when its storage holds its elements alone, one after another; else a contiguous copy first (a
+    view of one, a jagged tensor with holes). The sizes are host metadata: no sync. None when its layout cannot
+    say (an op it lacks)."""
+    try:
+        if not x.is_contiguous():
+            x = x.contiguous()
+        values = x.values()
+        if x.layout is torch.jagged:
+            return values if x._ragged_idx == 1 else values.reshape(-1)  # type: ignore[attr-defined]
+        sizes = x._nested_tensor_size()  # (elements, dims) on the host
+        if (
+            sizes.dim() == 2
+            and sizes.shape[0] > 0
+            and sizes.shape[1] >= 2
+            and bool((sizes[:, 1:] == sizes[0, 1:]).all())
+        ):
+            return values.view(int(sizes[:, 0].sum()), *(int(n) for n in sizes[0, 1:]))
+        return values.reshape(-1)
+    except (RuntimeError, NotImplementedError, AttributeError, TypeError):
+        return None
+
+
+def shape_of(x: torch.Tensor) -> tuple[Any, ...]:
+    """``x``'s shape, hashable; a strided nested tensor's (which has none: ``.shape`` raises) its elements'
+    shapes (host metadata, no sync)."""
+    if x.is_nested and x.layout is torch.strided:
+        return tuple(map(tuple, x._nested_tensor_size().tolist()))
+    return tuple(x.shape)
+
+
 def coalesced_values(g: torch.Tensor) -> torch.Tensor:
     """The values of the sparse COO tensor ``g`` once coalesced, one row a distinct index with its duplicates
     summed (the vector norm of ``g``'s values is then ``g``'s norm), then zero rows to ``g``'s nnz. Without

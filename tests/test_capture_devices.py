@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -252,14 +253,15 @@ def _three_steps(
     inputs: Callable[[], torch.Tensor],
     profiled: bool,
     before_step: Callable[[nn.Module], None] | None = None,
+    **options: Any,
 ) -> tuple[nn.Module, list[float], precprof.Profiler | None]:
     """Three training steps of the model ``make`` builds (seed 0) on ``inputs()`` (seed 1), the loss the mean
     square of the output, with a Profiler sampling every step (its kernels compiled at attach: a compile
     beside the training may hold sampling past three steps) or without; ``before_step(model)`` after each
-    backward. Returns the model, the losses and the Profiler."""
+    backward; ``options``: the Profiler's others. Returns the model, the losses and the Profiler."""
     torch.manual_seed(0)
     model, opt = make()
-    kw = {"sample_every": 1, "compile_beside": False}
+    kw = {"sample_every": 1, "compile_beside": False, **options}
     prof = precprof.Profiler(model, optimizer=opt, **kw).attach() if profiled else None
     torch.manual_seed(1)
     losses = []
@@ -470,14 +472,17 @@ def test_what_the_engines_cannot_read_is_named_and_the_rest_is_read() -> None:
 
     x = torch.randn(3, 4)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # (torch: sparse CSR support is in beta)
+        warnings.simplefilter("ignore")  # (torch: sparse CSR support is in beta; strided nested, a prototype)
         csr = x.to_sparse_csr()
+        strided_nested = torch.nested.as_nested_tensor([torch.randn(2, 4), torch.randn(3, 4)])
     nested = torch.nested.nested_tensor([torch.randn(2, 4), torch.randn(3, 4)], layout=torch.jagged)
     cases = {
         "meta device": torch.empty(3, device="meta"),
         "sparse_coo tensor, whose values precprof does not read (summing": x.to_sparse(),
         "sparse_csr tensor, whose values precprof does not read": csr,
-        "jagged tensor": nested,
+        # (the hooks read a nested tensor's elements, ``records._readable``: one reaching the buffer could not be)
+        "a nested tensor whose elements": nested,
+        "a nested tensor whose": strided_nested,
         "complex tensor (complex64)": torch.randn(3, dtype=torch.complex64),
         "a TwoTensor, a tensor subclass": TwoTensor(x, x.clone()),
     }
@@ -575,3 +580,93 @@ def test_a_dataclass_output_is_read_and_a_complex_one_is_said_skipped() -> None:
         ("spectral", T.ACTIVATION_GRAD, 1),
     }
     assert all("complex" in s["reason"] for s in skipped)
+
+
+class _Nested(nn.Module):
+    """A layer between layers that hands on a padded batch as a nested tensor (``torch.nested``) of its rows'
+    first ``lengths`` positions, scaled so that some of its values underflow fp16 (or, ``nested=False``, the same
+    rows as one plain tensor, one after another: what a nested tensor's statistics must equal)."""
+
+    def __init__(self, layout: torch.layout, nested: bool = True) -> None:
+        super().__init__()
+        self.layout, self.nested = layout, nested
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        rows = [h[i, :n] * 1e-6 for i, n in enumerate((6, 2, 4))]
+        return torch.nested.as_nested_tensor(rows, layout=self.layout) if self.nested else torch.cat(rows)
+
+
+class _Padded(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not x.is_nested:
+            return x
+        return torch.nested.to_padded_tensor(x, 0.0) if x.layout is torch.strided else x.to_padded_tensor(0.0)
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage:UserWarning")
+@pytest.mark.parametrize("layout", [torch.strided, torch.jagged], ids=["strided", "jagged"])
+@pytest.mark.usefixtures("block_formats_on")
+def test_nested_tensors_are_read_as_their_elements_and_training_goes_on(layout: torch.layout) -> None:
+    """A nested tensor between layers (a frozen ``nn.TransformerEncoder``'s fast path makes them of a padded
+    batch) ended the first sampled step ("NestedTensorImpl doesn't support sizes", a linear layer's input read
+    for the block what-if), and a jagged one was skipped. Read as its elements, one after another: its rows (the
+    output, its gradient, the next linear layer's input, the block what-if) count what one plain tensor of its
+    elements counts, nothing is skipped; a nested input to the model too (its memory measured); training is
+    bitwise what it is without precprof (tester t3)."""
+
+    def make(nested: bool = True) -> tuple[nn.Module, torch.optim.Optimizer]:
+        model = nn.Sequential(
+            nn.Linear(8, 64),
+            _Nested(layout, nested),
+            nn.Linear(64, 64),
+            nn.GELU(),
+            nn.Linear(64, 4),
+            _Padded(),
+        )
+        return model, torch.optim.Adam(model.parameters(), lr=0.01)
+
+    inputs = lambda: torch.randn(3, 6, 8)  # noqa: E731
+    plain, plain_losses, _ = _three_steps(make, inputs, False)
+    model, losses, prof = _three_steps(make, inputs, True, block_groups=1)
+    assert prof is not None and losses == plain_losses
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), plain.parameters(), strict=True))
+    assert prof.summary()["skipped_tensors"] == []
+    _, _, flat = _three_steps(lambda: make(nested=False), inputs, True, block_groups=1)
+    assert flat is not None
+    layers, flat_layers = prof.tables()["layers"], flat.tables()["layers"]
+    prof.detach()
+    flat.detach()
+    first = layers[(layers[T.STEP] == 0) & (layers[T.MODULE] == "1")].set_index(T.TENSOR)
+    want = flat_layers[(flat_layers[T.STEP] == 0) & (flat_layers[T.MODULE] == "1")].set_index(T.TENSOR)
+    # (its values: 12 positions of 64 features, some underflowing fp16; read with the block what-if)
+    assert first.loc[T.ACTIVATION, "numel"] == 12 * 64 and first.loc[T.ACTIVATION, "underflow_fp16"] > 0
+    assert first.loc[T.ACTIVATION, "blk_row_mxfp4_sum_x2"] > 0
+    pd.testing.assert_series_equal(first.loc[T.ACTIVATION], want.loc[T.ACTIVATION])
+    assert first.loc[T.ACTIVATION_GRAD, "numel"] == 12 * 64 and first.loc[T.ACTIVATION_GRAD, "calls"] == 1
+    assert not layers[T.MODULE].str.endswith(":input").any() or set(
+        layers[layers[T.MODULE].str.endswith(":input")][T.MODULE]
+    ) == {"0:input"}
+
+    class Inner(nn.Module):  # the model's own input nested
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b, self.out = nn.Linear(8, 16), nn.Linear(16, 4), _Padded()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.out(self.b(self.a(x)))
+
+    model = Inner()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with precprof.Profiler(
+        model, optimizer=opt, sample_every=1, compile_beside=False, block_groups=1
+    ) as prof:
+        for _ in range(2):
+            x = torch.nested.as_nested_tensor([torch.randn(n, 8) for n in (5, 2, 3)], layout=layout)
+            with prof.memory_scope():
+                loss = model(x).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            prof.step(loss=loss.detach())
+    a_input = prof.tables()["layers"].query("module == 'a:input' and step == 0")
+    assert list(a_input["numel"]) == [10 * 8] and prof.summary()["skipped_tensors"] == []

@@ -23,7 +23,7 @@ import torch
 
 from precprof import _compat
 from precprof import stats as st
-from precprof.capture.records import RowTable, _local, _ModuleSlot, _same_data
+from precprof.capture.records import RowTable, _ModuleSlot, _readable, _same_data
 
 # a module output a matmul may read, kept at its maker's forward hook: the tensor, the maker's activation row, and
 # the tensor's version then (``_compat.tensor_version``: an in-place change since moves it)
@@ -71,8 +71,8 @@ class GemmInputs:
             slot.input_from.add(found[1])
             self._read_from[(slot.activation, found[1])] = slot
             if turn and slot.input_blocks:  # read as the output that made it: several readers count it once
-                self.buffer.accumulate_blocks(_local(made), found[1])
-        elif slot.input >= 0 and self._add(local := _local(x), slot.input):
+                self.buffer.accumulate_blocks(_readable(made), found[1])
+        elif slot.input >= 0 and self._add(local := _readable(x), slot.input):
             if turn and slot.input_blocks:
                 self.buffer.accumulate_blocks(local, slot.input)
             self.rows.seen(slot.input, x.dtype)

@@ -87,6 +87,7 @@ class GradientReads:
             and x.layout is _STRIDED
             and (type(x) is _Tensor or not hasattr(x, "__tensor_flatten__"))  # ``_plain``, inline: per tensor
             and not _functorch_wrapped(x)  # (the model under torch.func's grad or vmap)
+            and not x.is_nested  # (a nested tensor's layout is strided too: the buffer skips one)
         ):
             primary.add(x, row, assign)
             return True

@@ -73,6 +73,7 @@ from precprof.capture.records import (
     _local,
     _ModuleSlot,
     _ParamSlot,
+    _readable,
     _weights_key,
     autocast_state,
     call_shape,
@@ -480,7 +481,8 @@ class StepHooks(TrainingForward, GradientReads, GemmInputs, StepAttempts, Output
                     if t.requires_grad:  # (its gradient too, as the hook finds it complex)
                         add_grad_hook(t, hook_id, grad_hook)
                     continue
-                if not self._add(t if type(t) is _Tensor else _local(t), act):
+                x = t if type(t) is _Tensor and not t.is_nested else _readable(t)
+                if not self._add(x, act):
                     # skipped (a torch.func transform's wrapper): its gradient is counted skipped too
                     if t.requires_grad:
                         _grad_hook_if_allowed(t, hook_id, grad_hook)
@@ -488,7 +490,7 @@ class StepHooks(TrainingForward, GradientReads, GemmInputs, StepAttempts, Output
                 any_tensor = True
                 rows.dtype_bits[act] |= dtype_bit(t.dtype)
                 if gemm:
-                    rows.numel_gcd[act] = math.gcd(rows.numel_gcd[act], t.numel())
+                    rows.numel_gcd[act] = math.gcd(rows.numel_gcd[act], x.numel())
                     if self.output_head is _NOT_WALKED and t.grad_fn is not None:
                         self._head_nodes.setdefault(t.grad_fn, slot.name)  # (``OutputHead``)
                 if self._track_outputs and t.dim() >= 2:
@@ -544,7 +546,7 @@ class StepHooks(TrainingForward, GradientReads, GemmInputs, StepAttempts, Output
                 not attempts.pass_due
             ):  # the pass's first: its end is watched (a pass that raised is forgotten)
                 attempts.backward_seen()
-            x = g if type(g) is _Tensor else _local(g)
+            x = g if type(g) is _Tensor and not g.is_nested else _readable(g)
             if x.dtype in _COMPLEX:  # a complex output's: skipped and counted, as the output was
                 owner.buffer.accumulate(x, row)
             elif owner._add(x, row):

@@ -46,7 +46,7 @@ MAX_SIGNATURES = 4096  # input signatures remembered; past this many the set sta
 
 def signature(args: Any, kwargs: Any) -> tuple[tuple[Any, ...], ...]:
     """The shapes and dtypes of a forward's tensor inputs (positional and keyword, nested a few levels)."""
-    return tuple((tuple(t.shape), t.dtype) for t in (*_tensors_in(args), *_tensors_in(kwargs)))
+    return tuple((_compat.shape_of(t), t.dtype) for t in (*_tensors_in(args), *_tensors_in(kwargs)))
 
 
 def check_every(every: Any) -> int:

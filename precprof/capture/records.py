@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from precprof import _compat
 from precprof import tables as T
 from precprof.capture.trainable import TrainedSeen
 
@@ -228,6 +229,16 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     if type(t) in _PLAIN_TYPES or not hasattr(t, "__tensor_flatten__"):
         return t
     return _values_inside(t)
+
+
+def _readable(t: torch.Tensor) -> torch.Tensor:
+    """What the engines read of ``t``: a nested tensor's elements as one plain tensor (``_compat.nested_values``;
+    one it cannot gather stays nested, to be skipped and counted: ``stats.buffer.unreadable``), else
+    ``_local(t)``."""
+    if t.is_nested:
+        values = _compat.nested_values(t)
+        return values if values is not None else t
+    return t if type(t) in _PLAIN_TYPES else _local(t)
 
 
 def _values_inside(t: torch.Tensor) -> torch.Tensor:

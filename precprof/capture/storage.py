@@ -405,7 +405,7 @@ def is_weight_copy(t: torch.Tensor, module: nn.Module | None, param_keys: set[St
         return False
     if fn is None:
         # A frozen weight's cast has no graph: match it against the running module's frozen parameters.
-        if t.requires_grad or module is None:
+        if t.requires_grad or module is None or t.is_nested:  # (a nested tensor is no parameter's cast)
             return False
         for p in module.parameters(recurse=False):
             if p.requires_grad or p.dtype == t.dtype or p.numel() != t.numel():
@@ -564,6 +564,8 @@ def span(t: torch.Tensor, nbytes: int) -> tuple[int, int]:
     size = t.element_size()
     if t.numel() == 0:
         return 0, 0
+    if t.is_nested:  # (a strided one, which has no shape: its elements are the storage it holds)
+        return 0, nbytes
     lo = int(t.storage_offset()) * size
     last = sum((int(n) - 1) * abs(int(s)) for n, s in zip(t.shape, t.stride(), strict=True))
     return lo, min(lo + (last + 1) * size, nbytes)

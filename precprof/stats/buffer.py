@@ -95,6 +95,8 @@ def unreadable(x: torch.Tensor) -> str | None:
     all."""
     if x.device.type == "meta":
         return "on the meta device, which holds no data (a module not materialised, or offloaded without its values)"
+    if x.is_nested:  # (``capture.records._readable`` reads its elements; this one's could not be gathered)
+        return "a nested tensor whose elements precprof could not gather into one tensor"
     if x.layout is not torch.strided:
         layout = str(x.layout).removeprefix("torch.")
         why = " (summing its duplicates would sync a GPU)" if layout == "sparse_coo" else ""
