@@ -1279,6 +1279,9 @@ class HookSet:
         self._handles: list[Any] = []  # (the parameters' hooks where they are registered by the public calls)
         self._module_handles: dict[int, list[Any]] = {}  # (and the modules', by entry)
         self._off: set[int] = set()  # the entries whose hooks stepped aside (``step_aside``)
+        self._entries_of: dict[int, list[int]] | None = (
+            None  # a module's id -> its entries (``take_modules``)
+        )
         # put on and taken off with the hooks: the dictionaries they and their flags go into
         where: list[tuple[Any, list[str]]] = []
         for k, (m, pre, post, always) in enumerate(modules):
@@ -1340,8 +1343,34 @@ class HookSet:
                 self._off.add(k)
                 self._take(k)
 
+    def take_modules(self, ids: set[int]) -> list[int]:
+        """The installed entries of the modules whose ids are ``ids``, not aside already, taken off until
+        :meth:`put_modules` (``fused_path_aside``); returns them."""
+        if not self.installed:
+            return []
+        if self._entries_of is None:
+            self._entries_of = {}
+            for k, (m, _, _, _) in enumerate(self._modules):
+                self._entries_of.setdefault(id(m), []).append(k)
+        taken = [k for i in ids for k in self._entries_of.get(i, ()) if k not in self._off]
+        for k in taken:
+            self._off.add(k)
+            self._take(k)
+        return taken
+
+    def put_modules(self, entries: Sequence[int]) -> None:
+        """The entries :meth:`take_modules` took off, back in place (those a :meth:`step_back` or :meth:`remove`
+        has not seen to since)."""
+        back = [k for k in entries if k in self._off]
+        self._off.difference_update(back)
+        if self.installed:
+            for k in back:
+                self._put(k)
+
     def step_back(self) -> None:
-        """The hooks ``step_aside`` took off, back in place (in each dictionary after any hook added since)."""
+        """The hooks ``step_aside`` took off, back in place (in each dictionary after any hook added since); the
+        global hooks of fused calls that raised removed (``fused_path_aside``)."""
+        _remove_spent()
         off, self._off = self._off, set()
         if off and self.installed:
             for k in sorted(off):
@@ -1417,6 +1446,126 @@ _HOOK_SETS: weakref.WeakSet[HookSet] = weakref.WeakSet()
 def _precprofs(key: int, hook: Any) -> bool:
     """Whether a hook dictionary's entry is precprof's: a module's (``uncopied``) or a HookSet's parameter's."""
     return _is_uncopied(hook) or any(key in s._ids for s in _HOOK_SETS)
+
+
+# torch's modules whose forward takes a fused path only when no module of theirs holds a forward (pre-)hook
+_FUSED_TYPES: tuple[type[torch.nn.Module], ...] = (torch.nn.TransformerEncoderLayer,)
+# the calls running with their modules' hooks aside (``fused_path_aside``), by module: the call's arguments, what
+# puts the hooks back
+_ASIDE_CALLS: dict[int, tuple[int, Callable[[], None]]] = {}
+_SPENT: list[Any] = []  # their global hooks, done, not removed yet (``fused_path_aside``)
+
+
+def _remove(handle: Any) -> None:
+    handle.remove()
+
+
+def _remove_spent() -> None:
+    while _SPENT:
+        _SPENT.pop().remove()
+
+
+def has_fused_path(module: Any) -> bool:
+    """Whether torch gives ``module`` a fused path that any forward hook of its modules refuses: an
+    ``nn.TransformerEncoderLayer`` running torch's own forward (in eval mode: ``_transformer_encoder_layer_fwd``).
+    torch's ``nn.MultiheadAttention`` and ``nn.TransformerEncoder`` look at no hook, ``nn.TransformerDecoderLayer``
+    has no such path."""
+    return any(
+        isinstance(module, t) and getattr(type(module), "forward", None) is t.forward for t in _FUSED_TYPES
+    )
+
+
+def takes_fused_path(layer: Any, args: Any, kwargs: Any) -> bool:
+    """Whether the ``nn.TransformerEncoderLayer`` ``layer`` called with ``args`` and ``kwargs`` now takes torch's
+    fused path when no forward hook is in its modules: torch's own conditions (``TransformerEncoderLayer.forward``,
+    torch 2.x) but the hooks'. One it cannot tell (an attribute another torch lacks) counts as taken: its hooks then
+    step aside, and the call runs as without precprof either way."""
+    kwargs = kwargs or {}
+    src = args[0] if args else kwargs.get("src")
+    if not isinstance(src, torch.Tensor):
+        return False
+    mask = args[1] if len(args) > 1 else kwargs.get("src_mask")
+    padding = args[2] if len(args) > 2 else kwargs.get("src_key_padding_mask")
+    try:
+        attn = layer.self_attn
+        if (
+            not torch.backends.mha.get_fastpath_enabled()
+            or src.dim() != 3
+            or layer.training
+            or not attn.batch_first
+            or attn.in_proj_bias is None
+            or not attn._qkv_same_embed_dim
+            or not layer.activation_relu_or_gelu
+            or layer.norm1.eps != layer.norm2.eps
+            or (src.is_nested and (padding is not None or mask is not None))
+            or attn.num_heads % 2 == 1
+            or torch.is_autocast_enabled()  # (as torch asks it: CUDA's autocast alone)
+        ):
+            return False
+        tensors = (
+            src,
+            attn.in_proj_weight,
+            attn.in_proj_bias,
+            attn.out_proj.weight,
+            attn.out_proj.bias,
+            layer.norm1.weight,
+            layer.norm1.bias,
+            layer.norm2.weight,
+            layer.norm2.bias,
+            layer.linear1.weight,
+            layer.linear1.bias,
+            layer.linear2.weight,
+            layer.linear2.bias,
+        )
+        devices = ("cpu", "cuda", "xpu", torch.utils.backend_registration._privateuse1_backend_name)
+        if torch.overrides.has_torch_function(tensors) or not all(t.device.type in devices for t in tensors):
+            return False
+        return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+    except AttributeError:
+        return True
+
+
+def fused_path_aside(module: Any, args: Any, kwargs: Any) -> bool:
+    """For a pre-hook of precprof's on a module that ``has_fused_path``: whether this call of ``module`` runs with
+    precprof's forward hooks of its modules aside (every ``HookSet``'s), so that torch's fused path runs as without
+    precprof (the hooks refuse it, and the slow path gives other values: a frozen encoder in eval mode under
+    ``no_grad`` inside the training forward). They are taken off when it ``takes_fused_path`` and no hook of
+    another's is there (which refuses it anyway), by the first of precprof's pre-hooks to run (the others, which
+    torch calls all the same, are told so), and put back when the call returns or raises, by a global forward
+    hook, always called, that removes itself (torch looks at the modules' own dictionaries)."""
+    _remove_spent()
+    key = id(module)
+    running = _ASIDE_CALLS.get(key)
+    if running is not None:
+        if running[0] == id(args):
+            return True
+        running[1]()  # (a call a KeyboardInterrupt cut short: no hook was called at its end)
+    if not takes_fused_path(module, args, kwargs):
+        return False
+    modules = list(module.modules())
+    for m in modules:
+        for hooks in (getattr(m, "_forward_pre_hooks", None), getattr(m, "_forward_hooks", None)):
+            if hooks and not all(_precprofs(k, h) for k, h in hooks.items()):
+                return False
+    ids = {id(m) for m in modules}
+    taken = [(s, s.take_modules(ids)) for s in list(_HOOK_SETS)]
+    handle: Any = None
+
+    def back() -> None:
+        # (torch calls an always-called hook of a forward that raised while it loops over the dictionary that
+        # holds it: removed at the next call then)
+        (_SPENT.append if sys.exc_info()[1] is not None else _remove)(handle)
+        _ASIDE_CALLS.pop(key, None)
+        for hookset, entries in taken:
+            hookset.put_modules(entries)
+
+    def returned(m: Any, _args: Any, _output: Any = None) -> None:
+        if m is module:
+            back()
+
+    handle = torch.nn.modules.module.register_module_forward_hook(returned, always_call=True)
+    _ASIDE_CALLS[key] = (id(args), back)
+    return True
 
 
 def _behind_others(hooks: dict[int, Any], key: int) -> None:

@@ -2138,6 +2138,103 @@ def test_an_evaluation_inside_not_training_runs_as_without_precprof(monkeypatch:
     pd.testing.assert_frame_equal(layers, plain)
 
 
+class _FrozenEncoderInside(nn.Module):
+    """A frozen ``nn.TransformerEncoder`` (a text encoder) run in eval mode under ``no_grad`` inside the training
+    forward over a padded batch, or (``frozen=False``) trained with the rest, in train mode."""
+
+    def __init__(self, nested: bool, frozen: bool) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(64, 32)
+        layer = nn.TransformerEncoderLayer(32, 4, dim_feedforward=64, dropout=0.0, batch_first=True)
+        self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=nested).requires_grad_(not frozen)
+        self.out = nn.Linear(32, 64)
+        self.frozen = frozen
+
+    def forward(self, x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        self.enc.train(not self.frozen)
+        with torch.set_grad_enabled(not self.frozen and torch.is_grad_enabled()):
+            e = self.enc(h, src_key_padding_mask=pad)
+        return self.out(h + e)
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage:UserWarning")
+@pytest.mark.filterwarnings("ignore:enable_nested_tensor is True:UserWarning")
+@pytest.mark.parametrize(
+    ("case", "nested", "frozen", "bf16"),
+    [
+        ("frozen", False, True, False),
+        ("frozen bf16", False, True, True),
+        ("frozen nested", True, True, False),
+        ("trained", False, False, False),
+    ],
+)
+def test_a_frozen_encoder_inside_the_training_forward_runs_torchs_fused_path_as_without_precprof(
+    monkeypatch: pytest.MonkeyPatch, case: str, nested: bool, frozen: bool, bf16: bool
+) -> None:
+    """A frozen ``nn.TransformerEncoder`` in eval mode under ``no_grad`` inside the training forward trained
+    otherwise with precprof (fp32: step 5's loss by 1e-6; CPU bf16 autocast: 4e-4), as tester t3 found: torch's
+    ``TransformerEncoderLayer`` takes its fused path only when no module of it holds a forward hook, and
+    precprof's hooks (the statistics' and the memory's) refused it on sampled steps. They step aside for such a
+    call, so that losses and weights are bitwise those without precprof, sampled steps and unsampled ones, the
+    fused path running as often; the layers' rows say why they were not read (counted per sampled step), the
+    rest is read. With nested tensors (``enable_nested_tensor``), whose first sampled step crashed, the same. An
+    encoder trained in train mode takes no fused path: its layers' rows are read as before, none skipped."""
+    fast = torch._transformer_encoder_layer_fwd
+    ran = [0]
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        ran[0] += 1
+        return fast(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_transformer_encoder_layer_fwd", counted)
+
+    def run(profiled: bool) -> tuple[torch.Tensor, list[torch.Tensor], int, precprof.Profiler | None]:
+        ran[0] = 0
+        torch.manual_seed(0)
+        model = _FrozenEncoderInside(nested, frozen)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+        g = torch.Generator().manual_seed(1)
+        prof = precprof.Profiler(model, optimizer=opt, sample_every=2).attach() if profiled else None
+        losses = []
+        for _ in range(6):
+            x = torch.randint(0, 64, (8, 12), generator=g)
+            pad = torch.arange(12)[None] >= torch.randint(3, 13, (8,), generator=g)[:, None]
+            pad[0] = False
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                loss = nn.functional.cross_entropy(model(x, pad).float().reshape(-1, 64), x.reshape(-1))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+            if prof is not None:
+                prof.step(loss=loss.detach())
+        if prof is not None:
+            prof.detach()
+        return torch.stack(losses), [p.detach().clone() for p in model.parameters()], ran[0], prof
+
+    want, want_params, want_fast, _ = run(False)
+    got, params, fast_runs, prof = run(True)
+    assert torch.equal(got, want), (got - want).abs().max()
+    assert all(torch.equal(a, b) for a, b in zip(params, want_params, strict=True))
+    assert fast_runs == want_fast == (12 if frozen else 0)  # (two layers a step)
+    assert prof is not None
+    layers = prof.tables()["layers"]
+    sampled = sorted(set(layers[T.STEP]))
+    assert 1 < len(sampled) < 6  # (sampled steps and unsampled ones)
+    skipped = {s["module"]: s for s in prof.summary()["skipped_tensors"]}
+    inside = [f"enc.layers.{i}.{m}" for i in range(2) for m in ("self_attn", "linear1", "norm2")]
+    read = set(layers[layers[T.TENSOR] == T.ACTIVATION][T.MODULE])
+    assert {"emb", "out"} <= read
+    if not frozen:
+        assert not skipped and set(inside) <= read
+        return
+    assert not read & set(inside)
+    for name in inside:
+        assert skipped[name]["tensor"] == T.ACTIVATION and skipped[name]["count"] == len(sampled)
+        assert "torch's fused path" in skipped[name]["reason"]
+
+
 def test_an_evaluation_under_no_grad_in_a_sampled_step_runs_as_without_precprof(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

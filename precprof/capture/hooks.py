@@ -30,7 +30,9 @@ decided at attach. Hooks never synchronise with the device and return None (a re
 module's output). ``torch.no_grad()`` forwards (evaluation between training steps) are ignored: the model's call
 under ``no_grad`` runs with the modules' hooks aside, as does everything inside ``Profiler.not_training``, so that
 torch's fast paths (``nn.TransformerEncoderLayer``'s, refused to a module holding any hook) run as without
-precprof (``_compat.HookSet.step_aside``, ``training_forward.runs_aside``). Also ignored are forwards
+precprof (``_compat.HookSet.step_aside``, ``training_forward.runs_aside``); inside the training forward, such a
+layer's call torch runs fused (a frozen encoder in eval mode) has its modules' hooks aside for the call, its
+outputs counted not read (``_compat.fused_path_aside``, ``TrainingForward._fused_pre_hook``). Also ignored are forwards
 of a model in eval mode after the step's first forward of it ran in train mode (an evaluation with grad on), or
 before a forward in train mode that no backward came between (``capture/training_forward.py``), and the
 forward an activation checkpoint runs again inside the backward pass when it read the block's outputs in the
@@ -80,7 +82,7 @@ from precprof.capture.records import (
     dtype_bit,
     input_keyword,
 )
-from precprof.capture.training_forward import _FIRST_PASS, TrainingForward
+from precprof.capture.training_forward import _FIRST_PASS, TrainingForward, fused_inside
 from precprof.capture.updates import UpdateSampler
 
 _Tensor = torch.Tensor
@@ -142,18 +144,26 @@ class StepHooks(TrainingForward, GradientReads, GemmInputs, StepAttempts, Output
         self.output_head = _NOT_WALKED
         self._head_nodes: dict[Any, str] = {}  # until then: each linear layer's output node -> its name
         self._releases: list[Callable[[], None]] = []  # each gradient hook's (``_make_grad_hook``)
+        self._fused_inside = fused_inside(self._root, plan.modules)
         roots = [(root, self._root_pre_hook, self._root_post_hook, True)] if root is not None else []
+        entries: list[tuple[Any, Any, Any, bool]] = [
+            *roots,
+            *((s.module, self._make_pre_hook(s), self._make_fwd_hook(s), False) for s in plan.modules),
+        ]
         # the root's pre-hook takes the forward's keyword arguments too: model(x=features), model(**batch); so
-        # do those of the modules whose input is read, called with it by keyword (self.fc(input=h))
+        # do those of the modules whose input is read, called with it by keyword (self.fc(input=h)), and those
+        # that tell a call torch runs fused (``_fused_pre_hook``)
+        kwargs_entries = [
+            len(roots) + k for k, s in enumerate(plan.modules) if s.reads_input or s.call_shapes is not None
+        ]
+        for module, _ in self._fused_inside.values():
+            kwargs_entries.append(len(entries))
+            entries.append((module, self._fused_pre_hook, None, False))
         self._hookset = _compat.HookSet(
-            roots + [(s.module, self._make_pre_hook(s), self._make_fwd_hook(s), False) for s in plan.modules],
+            entries,
             [(ps.tensor, self._make_param_hook(ps)) for ps in plan.params if ps.grad_row >= 0],
             kwargs_pre=root,
-            kwargs_entries=[
-                len(roots) + k
-                for k, s in enumerate(plan.modules)
-                if s.reads_input or s.call_shapes is not None
-            ],
+            kwargs_entries=kwargs_entries,
         )
         # the parameters read at the step's first captured forward, and each one's row
         self._weights = [(p, row) for s in plan.modules for _, p, row in s.weights]
@@ -418,9 +428,10 @@ class StepHooks(TrainingForward, GradientReads, GemmInputs, StepAttempts, Output
     # ------------------------------------------------------------------------------------------- hooks
     def _make_pre_hook(self, slot: _ModuleSlot) -> Callable[..., None]:
         key = input_keyword(slot.module) if slot.reads_input else None  # its input's name, given by keyword
+        fused = _compat.has_fused_path(slot.module)  # (``TrainingForward._fused_pre_hook``)
 
         def pre_hook(module: nn.Module, args: Any, kwargs: Any = None) -> None:
-            if not self.installed:
+            if not self.installed or (fused and _compat.fused_path_aside(module, args, kwargs)):
                 return None
             x = args[0] if args else kwargs.get(key) if kwargs else None
             why = self._not_read()

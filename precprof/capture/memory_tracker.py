@@ -206,7 +206,7 @@ class MemoryTracker(SavedActivations):
         self._module_hooks.append((self.model, self._root_pre_hook, self._root_post_hook))
         for name, mod in _compat.named_modules(self.model):  # a module reached twice keeps its first name
             if mod is not self.model and name:  # a wrapper's module ("" under DDP) is the root's forward
-                self._module_hooks.append((mod, self._make_pre_hook(name), self._make_post_hook(name)))
+                self._module_hooks.append((mod, self._make_pre_hook(name, mod), self._make_post_hook(name)))
         dev = next((p.device for p in self.model.parameters()), None)
         self._cuda = dev if dev is not None and dev.type == "cuda" and torch.cuda.is_available() else None
         self._on_cpu = dev is None or dev.type == "cpu"
@@ -220,6 +220,9 @@ class MemoryTracker(SavedActivations):
                 [(m, pre, post, True) for m, pre, post in self._module_hooks],
                 [(p, self._grad_hook) for p in self.model.parameters() if p.requires_grad],
                 kwargs_pre=self.model,
+                kwargs_entries=[
+                    k for k, (m, _, _) in enumerate(self._module_hooks) if _compat.has_fused_path(m)
+                ],
             )
         if self._hookset.installed:
             if not self._outside:
@@ -541,8 +544,12 @@ class MemoryTracker(SavedActivations):
             self._attempts.stepped()  # (the activations so far trained: never forgotten)
 
     # ---------------------------------------------------------------------------------- forward hooks
-    def _make_pre_hook(self, name: str) -> Callable[[nn.Module, Any], None]:
-        def hook(module: nn.Module, args: Any) -> None:
+    def _make_pre_hook(self, name: str, module: nn.Module) -> Callable[..., None]:
+        fused = _compat.has_fused_path(module)  # (its hooks aside for a call torch runs fused, as the stats')
+
+        def hook(module: nn.Module, args: Any, kwargs: Any = None) -> None:
+            if fused and _compat.fused_path_aside(module, args, kwargs):
+                return
             self._grads.forward_began()
             if self._recording:
                 self._read_policy_caches()

@@ -35,6 +35,11 @@ from precprof.capture.records import RowTable, _iter_tensors, _ModuleSlot
 recomputing = _compat.recomputing  # a checkpoint's forward run again in the backward pass: read once already
 # why a forward is not read (``TrainingForward._not_read``; "" when it is)
 _EVALUATION, _NO_GRAD, _RECOMPUTED, _FIRST_PASS = "evaluation", "no grad", "recomputed", "first pass"
+# why a module's output was not read in a call torch ran fused (``TrainingForward._fused_call``)
+FUSED = (
+    "run by torch's fused path (an nn.TransformerEncoderLayer in eval mode, which torch takes only when none of "
+    "its modules holds a forward hook): precprof's hooks stepped aside for the call, which ran as without precprof"
+)
 
 
 def runs_aside() -> bool:
@@ -44,6 +49,19 @@ def runs_aside() -> bool:
     read, and run through hooks it would leave torch's fast paths (``nn.TransformerEncoderLayer`` refuses one to
     a module holding any hook) and give other values than without precprof. A dictionary entry per module."""
     return not torch.is_grad_enabled() and _compat.backward_pass_id() is None
+
+
+def fused_inside(root: nn.Module, slots: list[_ModuleSlot]) -> dict[int, tuple[nn.Module, list[_ModuleSlot]]]:
+    """Per module of ``root`` to which torch gives a fused path that forward hooks refuse
+    (``_compat.has_fused_path``: captured or not, a container), by id: it and the captured modules of its
+    subtree, itself included (``TrainingForward._fused_pre_hook``); those without any are left out."""
+    by_id = {id(s.module): s for s in slots}
+    out = {}
+    for module in root.modules():
+        inside = [by_id[id(m)] for m in module.modules() if id(m) in by_id]
+        if inside and _compat.has_fused_path(module):
+            out[id(module)] = (module, inside)
+    return out
 
 
 def is_evaluation(mode: bool | None, training: bool) -> bool:
@@ -93,6 +111,7 @@ class TrainingForward:
     stepped_no_optimizer: Callable[[], bool]  # ``GradientReads.stepped_no_optimizer``
     optimizer_alone: Callable[[], bool]  # ``GradientReads.optimizer_alone``
     _walk_head: Callable[[Any], None]  # ``OutputHead._walk_head``
+    _fused_inside: dict[int, tuple[nn.Module, list[_ModuleSlot]]]  # (``fused_inside``)
 
     @contextlib.contextmanager
     def outside(self) -> Iterator[None]:
@@ -108,6 +127,16 @@ class TrainingForward:
             self._outside -= 1
             if not self._outside:
                 self._hookset.step_back()
+
+    def _fused_pre_hook(self, module: nn.Module, args: Any, kwargs: Any = None) -> None:
+        """A call of ``module`` that torch runs fused has its modules' hooks aside so that it runs as without
+        precprof (``_compat.fused_path_aside``: an ``nn.TransformerEncoderLayer`` in eval mode, a frozen encoder
+        inside the training forward): when it would have been read, each captured module of it counts an
+        output not read, and why (``FUSED``). The modules' own pre-hooks, which torch calls all the same, see
+        that it is aside and do nothing."""
+        if _compat.fused_path_aside(module, args, kwargs) and self.installed and not self._not_read():
+            for s in self._fused_inside[id(module)][1]:
+                self.buffer.skip(s.activation, FUSED)
 
     def _not_read(self) -> str:
         """Why a module's forward running now is not read ("": it is the step's training forward, read): an
