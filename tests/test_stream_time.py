@@ -39,8 +39,10 @@ def _trained_behind(
 def test_a_sampled_step_that_waits_for_a_slow_writer_says_so_in_its_time(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The writer (the thread here, as where the process cannot start) takes 100 ms a flush and every step is
-    sampled: from the fourth on, a step waits for room in the writer's queue. The table had stamped the time
+    """The writer (the thread here, as where the process cannot start) takes 300 ms a write and every step is
+    sampled: from the fourth on, every other step waits for room in the writer's queue (it writes the two queued
+    behind a write as one), five waits in twelve steps. (At 100 ms a write and eight steps, three waits, a CI run
+    under load had steps slow enough for the writer to keep up with one of them.) The table had stamped the time
     before that wait: 2.4 ms where the step took 30 (the report's "a sampled step 2.28x an unsampled one" beside an
     overhead of 89%); each step's ``time_s`` now holds it, as the loop's clock around the step does.
 
@@ -51,10 +53,10 @@ def test_a_sampled_step_that_waits_for_a_slow_writer_says_so_in_its_time(
     write = stream_child.write_flush
 
     def slow(*args: Any, **kwargs: Any) -> Any:
-        time.sleep(0.1)
+        time.sleep(0.3)
         return write(*args, **kwargs)
 
-    prof = _trained_behind(monkeypatch, slow, tmp_path, every=1, steps=8)
+    prof = _trained_behind(monkeypatch, slow, tmp_path, every=1, steps=12)
     timing = prof.summary()["stream"]
     steps = prof.tables()["steps"]
     table = steps[T.TIME_S].to_numpy()
