@@ -449,8 +449,14 @@ def _fp16_keep_said(plan: _Plan, cfg: AdvisorConfig) -> list[str]:
     activations beyond fp16's range, and for the activations they cast to fp16 and flush there."""
     new = [m for m in plan.keep_fp16 if m not in plan.kept_fp32]
     flush = [m for m in new if m in plan.fp16_flush_kept]
-    over = [m for m in new if m not in flush]
+    cast = [m for m in new if m in plan.fp16_cast_kept and m not in flush]
+    over = [m for m in new if m not in flush and m not in cast]
     said = []
+    if cast:
+        said.append(
+            f"Keep {_listing(cast, cfg.max_listed_modules)} in fp32: autocast would cast an fp32 input beyond 65504 "
+            "to fp16 there, which makes it inf (fp16_activation_overflow)."
+        )
     if over:
         said.append(
             f"Keep {_listing(over, cfg.max_listed_modules)} in fp32: their activations "

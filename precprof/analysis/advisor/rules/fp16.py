@@ -104,14 +104,21 @@ def _rule_fp16_activations(run: _Run, plan: _Plan) -> None:
     near_mods = run.sort(_innermost(near))
     # a layer's own input row (a function's output) is kept in fp32 through the module that ran the function; an
     # element-wise module (a dropout) through the layer that feeds it
-    keep = _modules_to_keep([*overflow_mods, *near_mods], _model_inputs(run), _no_forward(run))
+    # an fp32 output (a norm autocast leaves in fp32) goes to fp16 only in the cast its matmul readers make: they
+    # are kept, not the module that made it, which is fp32 already
+    cast_by = _cast_by_readers(run, plan, overflow_mods)
+    kept_for = [r for m in overflow_mods for r in cast_by.get(m, [m])]
+    plan.fp16_cast_kept = run.sort({r for m, rs in cast_by.items() for r in rs if r != m})
+    keep = _modules_to_keep([*kept_for, *near_mods], _model_inputs(run), _no_forward(run))
     plan.fp16_passed_on = passed = _passed_on(run, keep)
     plan.keep_fp16 = run.sort(p for m in keep if (p := passed.get(m, m)))
     if overflow_mods:
         causes = _inf_causes(run, plan, observed, beyond | set(seen[T.MODULE]), per_mod, limit)
         counted = whatif[~whatif[T.MODULE].isin(set(copies))]
         real = _overflowed_in_the_cast(run, counted)
-        _add_overflow_finding(run, plan, per_mod, counted, overflow_mods, observed, causes, copies, real)
+        _add_overflow_finding(
+            run, plan, per_mod, counted, overflow_mods, observed, causes, copies, real, cast_by
+        )
         if not began.empty:
             _said_began(plan, began)
     if near_mods:
@@ -149,6 +156,28 @@ def _rule_fp16_activations(run: _Run, plan: _Plan) -> None:
                 f"({_pct(share)}) in fp32 because their activations overflow"
                 + (" or flush to zero" if plan.fp16_flush_kept else "")
             )
+
+
+def _cast_by_readers(run: _Run, plan: _Plan, modules: list[str]) -> dict[str, list[str]]:
+    """Of ``modules``, those whose every output was fp32 in this autocast run (autocast left them in fp32: a norm,
+    code that upcasts; or the run kept a matmul outside autocast), each with the matmul layers under autocast that
+    read that output (capture.gemm_inputs) and so cast it to fp16, and the module itself where it is a matmul
+    layer (under autocast its own output would be fp16). Such an output goes to fp16 only in its readers' casts:
+    keeping the module that made it in fp32 changes nothing, keeping its readers does. Empty without autocast or
+    without the record of what the matmuls read; a module no matmul under autocast reads is not among them."""
+    inputs = _gemm_inputs(run)
+    if not run.autocast.get("enabled") or not inputs:
+        return {}
+    outside = _outside_autocast(run.kind(T.ACTIVATION))
+    matmuls = set(plan.matmul_layers)
+    found: dict[str, list[str]] = {}
+    for m in modules:
+        if m.endswith(T.INPUT_SUFFIX) or m not in outside:
+            continue
+        readers = [c for c, v in inputs.items() if m in v and c not in outside]
+        if readers:
+            found[m] = run.sort({*readers, *([m] if m in matmuls else [])})
+    return found
 
 
 def _divergence_overflow(run: _Run, plan: _Plan) -> pd.DataFrame:
@@ -384,13 +413,15 @@ def _add_overflow_finding(
     causes: _InfCauses,
     copies: Mapping[str, str],
     real: Mapping[str, _CastInf],
+    cast_by: Mapping[str, list[str]],
 ) -> None:
     """fp16_activation_overflow: the modules whose activations go beyond fp16's range (``whatif``: rows that
     were not fp16, counted at 65504), the ``observed`` ones that held inf in fp16, and why (``causes``). The
     element-wise modules that pass on a listed module's values (``copies``: each with that module) are said
     beside it, their values not counted again. ``real``: the rows among them whose overflow happened, in the
     cast fp16 autocast made for the matmul that read them (``_overflowed_in_the_cast``): critical, and said as
-    what happened, not as a what-if."""
+    what happened, not as a what-if. ``cast_by``: the modules among them whose fp32 output goes to fp16 only in
+    the casts of the matmul layers that read it (``_cast_by_readers``): the remedy names those layers."""
     cfg = run.cfg
     inside, fed, matmul = causes.inside, causes.fed, causes.matmul
     n_over = int(whatif[T.overflow_col("fp16")].sum())
@@ -454,8 +485,8 @@ def _add_overflow_finding(
                 made, observed, n_over, causes, sum(c.values for m, c in real.items() if m in made)
             )
             + f": {detail}. No loss scale helps the forward pass.",
-            "Use bf16, or keep these modules in fp32 (outside autocast)"
-            + _normalise_remedy(made, _model_inputs(run))
+            "Use bf16, or "
+            + _kept_remedy(run, overflow_mods, made, cast_by)
             + _passed_said(plan, overflow_mods)
             + (
                 f"; a layer whose {'input or sums overflow' if matmul else 'input overflows'} fp16 "
@@ -482,6 +513,43 @@ def _add_overflow_finding(
             },
         )
     )
+
+
+def _kept_remedy(
+    run: _Run, overflow_mods: list[str], made: list[str], cast_by: Mapping[str, list[str]]
+) -> str:
+    """What to keep in fp32 for the modules whose values went beyond fp16 (``made``, of ``overflow_mods``): the
+    modules themselves, with their output normalised; for one whose fp32 output goes to fp16 only in the casts its
+    matmul readers make (``cast_by``), those readers, or that output scaled down before them."""
+    said = []
+    if any(m not in cast_by for m in overflow_mods):
+        said.append(
+            "keep "
+            + (
+                "these modules"
+                if not cast_by
+                else _listing([m for m in overflow_mods if m not in cast_by], 4)
+            )
+            + " in fp32 (outside autocast)"
+            + _normalise_remedy([m for m in made if m not in cast_by], _model_inputs(run))
+        )
+    for m in [m for m in overflow_mods if m in cast_by][:4]:
+        readers = [c for c in cast_by[m] if c != m]
+        one = len(readers) == 1
+        kept = m in cast_by[m]  # a matmul layer the run kept outside autocast
+        said.append(
+            f"keep {_listing(readers, 4)} in fp32 (outside autocast): {_name(m)}'s output is fp32 "
+            f"({'this run keeps it outside autocast' if kept else 'autocast leaves it in fp32'}) and goes beyond "
+            f"65504 only in the cast to fp16 that {_listing(readers, 4)} {'makes' if one else 'make'} of it for "
+            f"{'its' if one else 'their'} matmul, so kept in fp32 {'it reads' if one else 'they read'} it unrounded; "
+            f"or scale {_name(m)}'s output down before {'it' if one else 'them'}"
+            + (
+                f" ({_name(m)} stays in fp32 too: under autocast its own output would be fp16)"
+                if kept
+                else f" (keeping {_name(m)} in fp32 changes nothing: it is fp32 already)"
+            )
+        )
+    return "; ".join(said)
 
 
 def _copies_said(per_mod: pd.DataFrame, m: str, copies: list[str]) -> str:
