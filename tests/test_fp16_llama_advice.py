@@ -123,3 +123,91 @@ def test_an_fp32_norm_output_that_overflows_in_lm_heads_cast_names_lm_head() -> 
     after, new = _train(_llama(), _tokens, _lm_loss, keep=["lm_head"])
     assert all(torch.isfinite(torch.tensor(new)))
     assert after.finding("fp16_activation_overflow") is None and after.fp16_keep_fp32 == ["lm_head"]
+
+
+class _Attention(nn.Module):
+    """Llama's attention, small: q, k, v and o projections, the scores q @ k^T computed by its own forward without
+    the 1/sqrt(head_dim) scale, their causal softmax, and the product with v. Its q and k weights are 300 times the
+    usual: in fp16 the scores go beyond 65504. ``fp32_scores``: the scores and their softmax computed in fp32
+    outside autocast (q.float() @ k.float()^T; under autocast the matmul would cast them back), as the advice says. The scores of each call are kept, as its forward made them."""
+
+    def __init__(self, d: int = 32, heads: int = 4, fp32_scores: bool = False) -> None:
+        super().__init__()
+        self.heads, self.fp32_scores = heads, fp32_scores
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(d, d) for _ in range(4))
+        with torch.no_grad():
+            self.q_proj.weight.mul_(300.0)
+            self.k_proj.weight.mul_(300.0)
+        self.scores: list[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = (
+            p(x).view(b, t, self.heads, -1).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj)
+        )
+        with torch.autocast("cpu", enabled=not self.fp32_scores):
+            scores = q.float() @ k.float().transpose(-2, -1) if self.fp32_scores else q @ k.transpose(-2, -1)
+        self.scores.append(scores.detach().clone())
+        mask = torch.ones(t, t, dtype=torch.bool).triu(1)
+        weights = scores.masked_fill(mask, float("-inf")).softmax(-1).to(v.dtype)
+        return self.o_proj((weights @ v).transpose(1, 2).reshape(b, t, d))
+
+
+class _Decoder(nn.Module):
+    """An input projection, one pre-norm block with the attention above (self_attn), a head."""
+
+    def __init__(self, fp32_scores: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.norm, self.head = nn.Linear(8, 32), nn.LayerNorm(32), nn.Linear(32, 1)
+        self.self_attn = _Attention(fp32_scores=fp32_scores)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        h = h + self.self_attn(self.norm(h))
+        return self.head(h)
+
+
+def _features(step: int) -> torch.Tensor:
+    return torch.randn(2, 16, 8, generator=torch.Generator().manual_seed(step))
+
+
+def _mse(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(x).float().square().mean()
+
+
+def test_attention_scores_that_overflow_fp16_name_the_attentions_code_and_its_fixes() -> None:
+    """The scores q @ k^T of self_attn's own forward go beyond 65504 in fp16: inf, softmax nan, o_proj's input
+    (a function's output) nan, every step. nonfinite_forward named o_proj:input, "keep it in fp32" (followed, the
+    scores still overflow in self_attn's code and every step is nan); it names the code in self_attn's forward now,
+    and the scores' fixes: computed in fp32 there, the run is finite."""
+    model = _Decoder()
+    with _outputs(model, ["self_attn.q_proj", "self_attn.k_proj"]) as seen:
+        rec, losses = _train(model, _features, _mse)
+    # the run has the problem: q and k finite in fp16, their product beyond fp16's range, the loss nan
+    assert all(y.dtype == torch.float16 and bool(y.isfinite().all()) for ys in seen.values() for y in ys)
+    assert all(s.dtype == torch.float16 and bool(s.isinf().any()) for s in model.self_attn.scores)
+    assert all(loss != loss for loss in losses)
+    f = rec.finding("nonfinite_forward")
+    assert f is not None and f.modules == ["self_attn.o_proj:input", "self_attn"]
+    assert f.title == "nan/inf first appears in the forward pass in self_attn's code (self_attn.o_proj:input)"
+    assert (
+        "self_attn.o_proj:input is no module's output: code in self_attn's forward made it (a function called "
+        "between its submodules), from the values of modules that held no nan/inf: the nan/inf began in that code, "
+        "not in self_attn.o_proj." in f.message
+    )
+    assert f.remedy.startswith(
+        "Fix the attention scores in self_attn's forward (keeping self_attn.o_proj in fp32 changes nothing"
+    )
+    assert (
+        "Compute the scores and their softmax in fp32, outside autocast (which would cast q.float() back to fp16 "
+        "for the matmul): under torch.autocast(device_type, enabled=False), q.float() @ k.float().transpose(-2, -1)"
+        in f.remedy
+    )
+    assert "keep it in fp32" not in f.remedy
+    # the old advice followed: o_proj reads what the scores made, nan
+    _, old = _train(_Decoder(), _features, _mse, keep=["self_attn.o_proj"])
+    assert all(loss != loss for loss in old)
+    # the new one: the scores in fp32
+    after, new = _train(_Decoder(fp32_scores=True), _features, _mse)
+    assert all(torch.isfinite(torch.tensor(new))) and after.finding("nonfinite_forward") is None

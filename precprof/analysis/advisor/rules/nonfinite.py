@@ -18,9 +18,13 @@ import pandas as pd
 
 from precprof import tables as T
 from precprof.analysis.advisor.evidence import (
+    _dtype_has,
     _innermost,
     _mask_rows,
+    _model_inputs,
     _n_modules,
+    _no_forward,
+    _owner,
     _Plan,
     _Run,
     _steps_without_update,
@@ -285,6 +289,7 @@ def _rule_nonfinite(run: _Run, plan: _Plan) -> set[int]:
             return fwd_steps
         first, reused = _first_origin(run, at)
         row = at[at[T.MODULE] == first]
+        maker = _made_by(run, first)
         nan, inf = int(row[T.NAN].sum()), int(row[T.INF].sum())
         opening, before = _opening(run, step)
         facts = _step_facts(run, streaks, step)
@@ -294,19 +299,17 @@ def _rule_nonfinite(run: _Run, plan: _Plan) -> set[int]:
             Finding(
                 "nonfinite_forward",
                 CRITICAL,
-                f"nan/inf first appears in the forward pass of {_name(first)}",
+                f"nan/inf first appears in the forward pass of {_name(first)}"
+                if maker is None
+                else f"nan/inf first appears in the forward pass in {_name(maker)}'s code ({_name(first)})",
                 f"{opening}, the {_kinds(row)} of {_name(first)} "
                 f"({run.types.get(first, '?')}) holds {nan} nan and {inf} inf values; it is the first "
                 f"module {'called once ' if reused else ''}in forward order to do so ({len(module_steps)} "
                 "sampled step(s) affected, "
-                f"{_n_modules(at[T.MODULE].unique())} module(s) at step {step}).{_reused_words(reused, first)}{skips}",
-                f"Inspect {_name(first)}'s inputs and weights at step {step}: a division, log or exp "
-                + (
-                    "without a guard, or an fp16 overflow (keep it in fp32)."
-                    if _fp16_possible(run)
-                    else "without a guard, or values that grew too large (the learning rate, a missing norm)."
-                ),
-                modules=[first],
+                f"{_n_modules(at[T.MODULE].unique())} module(s) at step {step}).{_reused_words(reused, first)}"
+                f"{_made_by_said(first, maker, bool(reused))}{skips}",
+                _forward_remedy(run, first, maker, step, row),
+                modules=[first, *([maker] if maker else [])],
                 numbers={
                     "step": step,
                     "nan": nan,
@@ -465,6 +468,78 @@ def _first_origin(run: _Run, at: pd.DataFrame) -> tuple[str, list[str]]:
         return origins[0], []
     first = once[0]
     return first, origins[: origins.index(first)]
+
+
+def _made_by(run: _Run, first: str) -> str | None:
+    """The module whose forward made the value of ``first`` where it is a layer's own input row holding a
+    function's output (code between modules: ``q @ k.transpose(-2, -1)`` and its softmax, read by o_proj): the
+    layer's parent with a forward of its own (``_owner``), which called that function. None for a module's output,
+    for the model's own input, and for a layer at the top level (the root's forward ran the function)."""
+    if not first.endswith(T.INPUT_SUFFIX) or first in _model_inputs(run):
+        return None
+    owner = _owner(first, _model_inputs(run), _no_forward(run))
+    return owner if owner != first.removesuffix(T.INPUT_SUFFIX) else None
+
+
+def _attention_named(module: str) -> bool:
+    """Whether ``module`` is an attention by its name, a part of it holding "attn" or "attention" (self_attn,
+    attention.self, attn), as rules/fp8 tells the attention modules whose scores it does not count."""
+    return any("attn" in p.lower() or "attention" in p.lower() for p in module.split("."))
+
+
+def _made_by_said(first: str, maker: str | None, reused: bool) -> str:
+    """The words saying that the value of ``first`` was made by code in ``maker``'s forward ("" for none); where no
+    module called more than once held nan/inf before it (``reused``), every module before it held finite values,
+    so that code began the nan/inf."""
+    if maker is None:
+        return ""
+    return (
+        f" {_name(first)} is no module's output: code in {_name(maker)}'s forward made it (a function called "
+        "between its submodules)"
+        + (
+            ""
+            if reused
+            else ", from the values of modules that held no nan/inf: the nan/inf began in that code, not in "
+            f"{_name(first.removesuffix(T.INPUT_SUFFIX))}"
+        )
+        + "."
+    )
+
+
+def _forward_remedy(run: _Run, first: str, maker: str | None, step: int, row: pd.DataFrame) -> str:
+    """What to do of the first nan/inf of the forward pass, in ``first`` at ``step`` (its rows ``row``): inspect
+    the module, or the code in ``maker``'s forward that made it (``_made_by``). An fp16 value made there by an
+    attention (``_attention_named``) is its scores, q·k beyond 65504 (softmax of inf is nan): the fixes are those
+    of the scores, in that code, not a module's keep_fp32 (the layer reading the value computes nothing wrong)."""
+    fp16 = _fp16_possible(run)
+    if maker is None:
+        return f"Inspect {_name(first)}'s inputs and weights at step {step}: a division, log or exp " + (
+            "without a guard, or an fp16 overflow (keep it in fp32)."
+            if fp16
+            else "without a guard, or values that grew too large (the learning rate, a missing norm)."
+        )
+    layer = first.removesuffix(T.INPUT_SUFFIX)
+    if fp16 and _attention_named(maker) and bool(_dtype_has(row, "float16").any()):
+        return (
+            f"Fix the attention scores in {_name(maker)}'s forward (keeping {_name(layer)} in fp32 changes nothing: "
+            "the value it reads was nan/inf already): under fp16 autocast q @ k^T is computed in fp16, where a score "
+            "beyond 65504 becomes inf and its softmax nan. Compute the scores and their softmax in fp32, outside "
+            "autocast (which would cast q.float() back to fp16 for the matmul): under torch.autocast(device_type, "
+            "enabled=False), q.float() @ k.float().transpose(-2, -1), then .to(v.dtype) before the product with v; "
+            "scale q by "
+            "1/sqrt(head_dim) before the product (F.scaled_dot_product_attention does), or normalise q and k (a q/k "
+            f"norm); or keep {_name(maker)} in fp32 (outside autocast), or use bf16, whose range is fp32's."
+        )
+    return (
+        f"Inspect the code in {_name(maker)}'s forward that makes {_name(layer)}'s input at step {step} (keeping "
+        f"{_name(layer)} in fp32 changes nothing: the value it reads was nan/inf already): a division, log or exp "
+        + (
+            f"without a guard, or an fp16 overflow (compute it in fp32, or keep {_name(maker)} in fp32, outside "
+            "autocast)."
+            if fp16
+            else "without a guard, or values that grew too large (the learning rate, a missing norm)."
+        )
+    )
 
 
 def _reused_words(reused: list[str], first: str) -> str:
