@@ -211,3 +211,60 @@ def test_attention_scores_that_overflow_fp16_name_the_attentions_code_and_its_fi
     # the new one: the scores in fp32
     after, new = _train(_Decoder(fp32_scores=True), _features, _mse)
     assert all(torch.isfinite(torch.tensor(new))) and after.finding("nonfinite_forward") is None
+
+
+class _NaiveRMSNorm(nn.Module):
+    """An RMSNorm written as x.pow(2).mean(-1) in its input's dtype (fp16 under autocast), or, ``fp32``, on
+    x.float() and cast back, as Llama's does."""
+
+    def __init__(self, d: int, fp32: bool = False) -> None:
+        super().__init__()
+        self.weight, self.fp32 = nn.Parameter(torch.ones(d)), fp32
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float() if self.fp32 else x
+        return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+
+
+class _UpNormHead(nn.Module):
+    """A Linear whose weights are 400 times the usual (fp16 outputs beyond 256), the norm above, a head."""
+
+    def __init__(self, fp32: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.up, self.norm, self.head = nn.Linear(8, 32), _NaiveRMSNorm(32, fp32), nn.Linear(32, 1)
+        with torch.no_grad():
+            self.up.weight.mul_(400.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.up(x)))
+
+
+def _rows(step: int) -> torch.Tensor:
+    return torch.randn(16, 8, generator=torch.Generator().manual_seed(step))
+
+
+def test_a_norm_whose_fp16_square_overflows_is_critical_and_names_the_square() -> None:
+    """A hand-written RMSNorm squares its fp16 input: a row holding |x| >= 256 squares to inf, its mean is inf,
+    and x * rsqrt(inf) zeros the whole row; no finding said so. fp16_norm_overflow, critical, names the norm,
+    its x.pow(2), the count of values its input holds at or above 256 and the zeros (the test's own hooks count
+    both); its fix, the norm computed on x.float(), makes no zeros and no finding."""
+    model = _UpNormHead()
+    with _outputs(model, ["up", "norm"]) as seen:
+        rec, _ = _train(model, _rows, _mse)
+    big = sum(int((y.abs() >= 256).sum()) for y in seen["up"])
+    zeros = sum(int((y == 0).sum()) for y in seen["norm"])
+    values = sum(y.numel() for y in seen["norm"])
+    assert all(y.dtype == torch.float16 for y in seen["up"]) and big > 0
+    assert zeros > values // 2 and all(int((y == 0).sum()) == 0 for y in seen["up"])
+    f = rec.finding("fp16_norm_overflow")
+    assert f is not None and f.severity == "critical" and f.modules == ["norm"]
+    assert f.numbers["zeros"] == zeros and f.numbers["input_values_at_least_256"] == big
+    assert f.title == f"norm's x.pow(2) overflows fp16: {zeros / values * 100:.3g}% of its output is 0"
+    assert f"its input, the fp16 output of up, holds {big:,} values of |x| >= 256" in f.message
+    assert f.remedy.startswith("Compute the norm in fp32 inside norm: upcast its input before the square")
+    fixed = _UpNormHead(fp32=True)
+    with _outputs(fixed, ["norm"]) as after_seen:
+        after, _ = _train(fixed, _rows, _mse)
+    assert all(int((y == 0).sum()) == 0 for y in after_seen["norm"])
+    assert after.finding("fp16_norm_overflow") is None

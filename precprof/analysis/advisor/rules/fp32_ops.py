@@ -14,8 +14,9 @@ import pandas as pd
 from precprof import formats, taxonomy
 from precprof import tables as T
 from precprof.analysis.advisor.evidence import _dtype_has, _Plan, _Run
-from precprof.analysis.advisor.model import INFO, WARNING, Finding, Number
-from precprof.analysis.advisor.text import _listing
+from precprof.analysis.advisor.model import CRITICAL, INFO, WARNING, Finding, Number
+from precprof.analysis.advisor.rules.fp16 import _leaf_outputs
+from precprof.analysis.advisor.text import _g, _listing, _name, _pct
 
 _LOW = ("float16", "bfloat16")
 _WHY = {
@@ -30,7 +31,82 @@ def _lose(what: list[str]) -> str:
     return "loses" if len(what) == 1 else "lose"
 
 
+# a norm's output share of exact zeros above which zeros its input did not hold are its own doing
+_NORM_ZEROS_SHARE = 0.01
+# the smallest |x| whose square overflows fp16: 256^2 = 65536 is inf, fp16's next value down 255.875^2 = 65472 fits
+_FP16_SQUARE_OVERFLOW_EXPONENT = 8
+
+
+def _rule_fp16_norm_square(run: _Run, plan: _Plan) -> None:
+    """fp16_norm_overflow: a norm that computes its statistics in fp16 (x.pow(2).mean(-1) with no upcast, a
+    hand-written RMSNorm), whose input, the fp16 output of the module that fed it (the leaf module just before it
+    that made as many values, as ``rules.fp16._passed_on`` finds it), holds values of |x| >= 256: their square is
+    inf in fp16, the mean of their row inf, and x * rsqrt(inf) = 0, the whole row. Told by the norm's output:
+    more than ``_NORM_ZEROS_SHARE`` of its values exact zeros that its input did not hold. A norm that computes in
+    fp32 inside (torch's LayerNorm and RMSNorm, Llama's) makes no such zeros, whatever its input."""
+    acts = run.kind(T.ACTIVATION)
+    if acts.empty:
+        return
+    names = T.texts(acts[T.MODULE])
+    kinds = acts[T.MODULE_TYPE].map(taxonomy.kind_of_type)
+    norms = run.sort({str(m) for m in names[(kinds == taxonomy.NORM).to_numpy()]})
+    if not norms:
+        return
+    calls, numel, leaves = run.memo("passed_on", lambda: _leaf_outputs(run))
+    totals = run.hist_totals()
+    hist_names = T.texts(totals[T.MODULE])
+    for m in norms:
+        if m not in leaves or calls.get(m, 1) != 1:
+            continue
+        before = [p for p in leaves[: leaves.index(m)] if not p.endswith(T.INPUT_SUFFIX)]
+        if not before:
+            continue
+        feeder = before[-1]
+        mine = numel.xs(m, level="m")
+        if not numel.xs(feeder, level="m").reindex(mine.index).eq(mine).all():
+            continue
+        rows, fed = acts[(names == m).to_numpy()], acts[(names == feeder).to_numpy()]
+        if not bool(_dtype_has(fed, "float16").all()):
+            continue
+        n = float(rows[T.NUMEL].sum())
+        zeros = float(rows[T.ZEROS].sum()) - float(fed[T.ZEROS].sum())
+        if n <= 0 or zeros / n <= _NORM_ZEROS_SHARE:
+            continue
+        h = totals[((hist_names == feeder).to_numpy()) & (totals[T.TENSOR] == T.ACTIVATION).to_numpy()]
+        big = int(h.loc[h[T.EXPONENT] >= _FP16_SQUARE_OVERFLOW_EXPONENT, T.COUNT].sum())
+        if not big:
+            continue
+        share = float(rows[T.ZEROS].sum()) / n
+        plan.add(
+            Finding(
+                "fp16_norm_overflow",
+                CRITICAL,
+                f"{_name(m)}'s x.pow(2) overflows fp16: {_pct(share)} of its output is 0",
+                f"{_name(m)} ({run.types.get(m, '?')}) computes its statistics in fp16: its input, the fp16 output of "
+                f"{_name(feeder)}, holds {big:,} values of |x| >= 256 (max {_g(float(fed[T.ABSMAX].max()))}), whose "
+                "square is beyond 65504, inf in fp16; the mean of a row holding one is inf and x * rsqrt(inf) is 0, "
+                f"the whole row: {int(rows[T.ZEROS].sum()):,} of its {int(n):,} output values ({_pct(share)}) were "
+                f"exact zeros, against {int(fed[T.ZEROS].sum()):,} in its input. The layers after it train on "
+                "those zeros.",
+                f"Compute the norm in fp32 inside {_name(m)}: upcast its input before the square (x = x.float(); "
+                "variance = x.pow(2).mean(-1, keepdim=True); x * torch.rsqrt(variance + eps), cast back to the input's "
+                "dtype before the weight), as Llama's RMSNorm does; or use torch.nn.RMSNorm or LayerNorm, which "
+                "compute in fp32 inside; or use bf16, whose range is fp32's. torch.autocast(enabled=False) around it "
+                "alone changes nothing: its input stays fp16 (call it on x.float()).",
+                modules=[m],
+                numbers={
+                    "zeros": int(rows[T.ZEROS].sum()),
+                    "values": int(n),
+                    "share": share,
+                    "input_zeros": int(fed[T.ZEROS].sum()),
+                    "input_values_at_least_256": big,
+                },
+            )
+        )
+
+
 def _rule_fp32_ops(run: _Run, plan: _Plan) -> None:
+    _rule_fp16_norm_square(run, plan)
     capture = run.summary.get(T.SUMMARY_CAPTURE) or {}
     autocast = bool(run.autocast.get("enabled"))
     device = str(run.autocast.get("device_type") or "")
