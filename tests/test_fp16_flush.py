@@ -208,7 +208,44 @@ def test_the_verdict_quotes_the_flushed_share_not_the_histograms() -> None:
     assert AdvisorConfig().fp16_flushed_zero_share < share <= ag[T.ZEROS].sum() / ag[T.NUMEL].sum()
     (reason,) = [r for r in rec.reasons if r.startswith("Start GradScaler at init_scale=")]
     assert "falls from" not in reason
-    assert f"were flushed to zero ({share * 100:.3g}% exact zeros at loss scale 1" in reason
+    assert (
+        f"were flushed to zero ({share * 100:.3g}% exact zeros among the values of act1, act2, act3 at loss scale 1"
+        in reason
+    )
+
+
+def test_the_flushed_share_in_the_title_is_that_of_the_modules_the_message_names() -> None:
+    """The ReLU classifier weighted by 2^-12 in fp16: the title read "fp16 gradients flushed to zero: 41.2% zeros at
+    loss scale 1" while the message listed six modules at fp16's floor; 41.2% is the share of act1, act2 and act3
+    alone, the modules whose zeros can only be flushes (of every module's fp16 gradients, 40% are zeros; of the six
+    at the floor, 48%). The title names the modules whose share it gives now, as the message does, and the share
+    is theirs, checked against the run's own rows."""
+    run, _ = relu_zeros.run("fp16", weight=2.0**-12)
+    rec = run.recommend("t4")
+    f = rec.finding("fp16_gradient_underflow")
+    assert f is not None and f.numbers["fp16_flushed"]
+    layers = run.tables["layers"]
+    ag = layers[(layers[T.TENSOR] == T.ACTIVATION_GRAD) & (layers[T.DTYPE] == "float16")]
+    per = ag.groupby(T.MODULE)[[T.ZEROS, T.NUMEL]].sum()
+    named = ["act1", "act2", "act3"]
+    share = float(per.loc[named, T.ZEROS].sum() / per.loc[named, T.NUMEL].sum())
+    every = float(per[T.ZEROS].sum() / per[T.NUMEL].sum())
+    floor = ["fc1", "act1", "fc2", "act2", "fc3", "act3"]
+    at_floor = float(per.loc[floor, T.ZEROS].sum() / per.loc[floor, T.NUMEL].sum())
+    assert f.numbers["fp16_flushed_zero_share"] == pytest.approx(share, rel=1e-12)
+    assert _pct(share) not in (_pct(every), _pct(at_floor))  # the populations' shares differ
+    assert f.numbers["fp16_flushed_share_of"] == "act1, act2, act3"
+    assert (
+        f.title
+        == f"fp16 gradients flushed to zero: {_pct(share)} of the values of act1, act2, act3 are zeros at loss scale 1"
+    )
+    assert (
+        f"{_pct(share)} of the fp16 activation-gradient values of act1, act2, act3 are exact zeros"
+        in f.message
+    )
+    assert (
+        "of the nonzero values of fc1, act1, fc2, act2, fc3, act3 sit at its smallest subnormal" in f.message
+    )
 
 
 def _tiny_gradients_run(precision: str, loss_scale: float | None = None) -> tuple[ProfiledRun, torch.Tensor]:
@@ -445,7 +482,7 @@ def test_gradients_among_fp16s_subnormals_at_the_runs_scale_are_warned_of() -> N
     assert f.numbers["fp16_subnormal_share"] == pytest.approx(subnormal, abs=0.01)
     assert f.title == (
         f"fp16 gradients run into fp16's floor at loss scale 65536: "
-        f"{f.numbers['fp16_flushed_zero_share'] * 100:.3g}% flushed to zero"
+        f"{f.numbers['fp16_flushed_zero_share'] * 100:.3g}% of the values of act1, act2, act3 flushed to zero"
     )
     assert "sit among fp16's subnormals, below 2^-14" in f.message and "Nothing to fix" not in f.remedy
     k = int(f.numbers["loss_scale_log2"])

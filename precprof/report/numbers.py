@@ -67,6 +67,7 @@ LABELS: dict[Any, tuple[str, str] | None] = {
         "flushed zeros among the FP16 activation gradients no mask wrote into",
         "share",
     ),
+    "fp16_flushed_share_of": ("modules whose zeros that share counts", "text"),
     "fp16_flushed_at_most": (
         "FP16 activation gradients flushed at most (their share of zeros, flushed or not)",
         "share",

@@ -584,8 +584,13 @@ def _underflow_said(plan: _Plan) -> str:
         )
     if nums.get("fp16_flushed") and isinstance(flushed, float):
         return (
-            f"this run's fp16 activation gradients were flushed to zero ({_pct(flushed)} exact zeros at {at}, "
-            "which the exponent histograms cannot see; fp16_gradient_underflow)."
+            f"this run's fp16 activation gradients were flushed to zero ({_pct(flushed)} exact zeros"
+            + (
+                f" among the values of {of}"
+                if isinstance(of := nums.get("fp16_flushed_share_of"), str)
+                else ""
+            )
+            + f" at {at}, which the exponent histograms cannot see; fp16_gradient_underflow)."
         )
     if (
         plan.underflow_at_1 is None and plan.underflow_at_rec is not None

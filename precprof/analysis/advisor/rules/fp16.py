@@ -1390,6 +1390,12 @@ def _flushed_said(
     ), method
 
 
+def _flushed_of(run: _Run, fl: _Flush) -> str:
+    """Whose values the flushed share (``fl.share``) is of, for a title: the modules whose zeros count
+    (``fl.counted``), as the message names them; nothing where every fp16 activation gradient's zeros count."""
+    return "" if fl.counted_all else f" of the values of {_listing(fl.counted, run.cfg.max_listed_modules)}"
+
+
 def _flushed_remedy(
     fl: _Flush, every: bool, k: int, run_scale: float | None, scaler: str | None = None
 ) -> str:
@@ -1796,9 +1802,15 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan, kept: KeptGradients) -> None:
             f"fp16 gradients flushed to zero at {_scales(fl.scales)}: up to {_pct(fl.masked_share)}"
             + (", a mask's zeros among them" if fl.masks else "")
             if fl.masked_only
-            else f"fp16 gradients run into fp16's floor at {_scales(fl.scales)}: {_pct(fl.share)} flushed to zero"
+            # the share is of the modules whose zeros count (``fl.counted``), named as the message names them: a
+            # bare "4.77% zeros" read as the share of the ten modules the message listed at the floor
+            else f"fp16 gradients run into fp16's floor at {_scales(fl.scales)}: {_pct(fl.share)}"
+            + _flushed_of(run, fl)
+            + " flushed to zero"
             if thin
-            else f"fp16 gradients flushed to zero: {_pct(fl.share)} zeros at {_scales(fl.scales)}"
+            else f"fp16 gradients flushed to zero: {_pct(fl.share)}"
+            + (_flushed_of(run, fl) + " are zeros" if not fl.counted_all else " zeros")
+            + f" at {_scales(fl.scales)}"
             if flushed
             # (at the run's scale 1, the exact count, which the report shows: the histograms' is a lower bound)
             else _underflow_title(
@@ -1820,6 +1832,12 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan, kept: KeptGradients) -> None:
                 "fp16_zero_share": zero16,
                 "fp16_flushed": flushed or thin,
                 "fp16_flushed_zero_share": fl.share if (flushed or thin) and not fl.masked_only else None,
+                # whose values that share is of, where not every fp16 activation gradient's (``_flushed_of``)
+                **(
+                    {"fp16_flushed_share_of": _listing(fl.counted, cfg.max_listed_modules)}
+                    if (flushed or thin) and not fl.masked_only and not fl.counted_all
+                    else {}
+                ),
                 "fp16_flushed_at_most": fl.masked_share if fl.masked_only else None,
                 "fp16_smallest_nonzero": fl.smallest if (flushed or thin) and fl.smallest > 0 else None,
                 **({"fp16_subnormal_share": sub} if thin else {}),
