@@ -433,7 +433,7 @@ def test_a_model_input_kept_in_fp32_is_not_counted_as_cast(block_formats_on: Non
     assert (
         over > 0
         and f is not None
-        and f"body.0: {over} values an fp16 cast makes inf in body.0:input" in f.message
+        and f"body.0: {over} values an fp16 cast makes inf in body.0's input" in f.message
     )
 
 

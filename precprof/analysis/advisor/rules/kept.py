@@ -14,7 +14,7 @@ import pandas as pd
 from precprof import tables as T
 from precprof.analysis.advisor.evidence import _dtype_has, _model_inputs, _nonzero, _Plan, _Run, _share
 from precprof.analysis.advisor.model import INFO, Finding
-from precprof.analysis.advisor.text import _g, _listing, _name, _pct
+from precprof.analysis.advisor.text import _g, _listed, _listing, _name, _pct
 from precprof.formats import FP16
 
 
@@ -100,11 +100,11 @@ def _judge(
     amax = float(pd.to_numeric(rows[T.ABSMAX], errors="coerce").max()) if not rows.empty else 0.0
     nan, inf = int(rows[T.NAN].sum()), int(rows[T.INF].sum())
     flushed = _cast_flush(rows, layer, [m for m in set(rows[T.MODULE]) if m != layer])
-    which = _listing(run.sort(set(rows[T.MODULE])), 4)
+    which = _rows_said(run, layer, [str(m) for m in set(rows[T.MODULE])])
     if not stream.empty:
         return True, (
-            f"{_name(layer)}: its input {_name(str(stream[T.MODULE].iloc[0]))}, made between modules (by code in "
-            f"the forward, such as a residual add, that no module's keep_fp32 covers), held "
+            f"{_name(layer)}: its input, made between modules (by code in the forward, such as a residual add, that "
+            "keeping a module in fp32 does not cover), held "
             f"{int(stream[T.INF].sum()):,} inf in fp16 before {_name(layer)} read it: keeping {_name(layer)} in fp32 "
             "cannot make that input finite"
         )
@@ -136,7 +136,8 @@ def _judge(
         far = float(pd.to_numeric(later[T.ABSMAX], errors="coerce").max())
         return True, (
             f"{_name(layer)}: its own values fit fp16 (max |x| {_g(amax)} in {which}), but "
-            f"{_listing(run.sort(set(later[T.MODULE])), 4)}, made after it between modules (by code in the forward, "
+            f"{_listed([_row_said(m) for m in run.sort(set(later[T.MODULE]))], 4)}, made after it between modules "
+            "(by code in the forward, "
             f"such as a residual add), held values beyond fp16 (max |x| {_g(far)}) in fp32: that code runs in fp32 "
             "only while the layers kept in fp32 before it hand it fp32, and released, this one could hand it fp16"
         )
@@ -147,6 +148,29 @@ def _judge(
         f"{_name(layer)}: max |x| {_g(amax)} in {which}; {_cast_flush_said(flushed)}, within the "
         f"{_pct(cfg.fp16_activation_underflow_warn)} the forward rules allow: it fits fp16"
     )
+
+
+def _row_said(row: str) -> str:
+    """An activation row named for a sentence: a layer's input row (``wo:input``, made by code in the forward or
+    the model's own input) as that layer's input, so that it does not read as a module of its own (one the run
+    kept in fp32); a module's row as the module."""
+    return (
+        f"{_name(row.removesuffix(T.INPUT_SUFFIX))}'s input" if row.endswith(T.INPUT_SUFFIX) else _name(row)
+    )
+
+
+def _rows_said(run: _Run, layer: str, rows: list[str]) -> str:
+    """Where a kept ``layer``'s ``rows`` were read, in words: its input (its own input row, and the outputs of the
+    modules it read, capture.gemm_inputs) and its output."""
+    read = run.sort(r for r in rows if r != layer and not r.endswith(T.INPUT_SUFFIX))
+    parts = [f"{_name(layer)}'s input"] if layer + T.INPUT_SUFFIX in rows else []
+    if read:
+        parts.append(
+            f"the output of {_listing(read, 4)} ({_name(layer)} reads {'it' if len(read) == 1 else 'them'})"
+        )
+    if layer in rows:
+        parts.append(f"{_name(layer)}'s output")
+    return ", ".join(parts[:-1]) + " and " + parts[-1] if len(parts) > 1 else "".join(parts)
 
 
 def _cast_flush_said(flushed: _CastFlush) -> str:
@@ -202,8 +226,8 @@ def _rule_kept_fp32(run: _Run, plan: _Plan) -> None:
     remedy = []
     if need:
         remedy.append(
-            f"Keep {_listing(need, listed)} in fp32 (outside autocast) under fp16, as this run does: keep_fp32 "
-            f"lists {'it' if len(need) == 1 else 'them'}"
+            f"Keep {_listing(need, listed)} in fp32 (outside autocast) under fp16, as this run does: the "
+            f"recommendation's fp16_keep_fp32 lists {'it' if len(need) == 1 else 'them'}"
         )
     if free:
         remedy.append(
@@ -212,8 +236,9 @@ def _rule_kept_fp32(run: _Run, plan: _Plan) -> None:
         )
     if kept.between:
         remedy.append(
-            f"the inf in {_listing(kept.between, listed)} is made between modules, by code in the forward that ran "
-            "in fp16 (a residual add or scale): no module's keep_fp32 covers that code, which runs in fp32 only "
+            f"the inf in {_listed([_row_said(m) for m in kept.between], listed)} is made between modules, by code in "
+            "the forward that ran in fp16 (a residual add or scale): keeping a module in fp32 does not cover that "
+            "code, which runs in fp32 only "
             "where a layer kept in fp32 before it hands it fp32; use bf16, whose range is fp32's, or run that code "
             "in fp32"
         )

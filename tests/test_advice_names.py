@@ -1,0 +1,68 @@
+"""The names the advice's texts use, on real tiny CPU training runs: the recommendation's field a text points to,
+a layer's input row named as that layer's input, and no finding named that the report does not hold."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from scenarios.loop import regression_batches, train_profiled
+from torch import nn
+
+
+class _Ffn(nn.Module):
+    """A T5-style feed-forward block (wi, ReLU, wo) on a residual stream, then a head. wo reads the ReLU's output
+    scaled by 60000 in fp32, made between modules by code in the forward (as T5's own cast to wo's dtype makes
+    it): a cast of that input to fp16 makes inf, and kept in fp32 (outside autocast), wo reads it finite."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(32, 64)
+        self.wi = nn.Linear(64, 256)
+        self.act = nn.ReLU()
+        self.wo = nn.Linear(256, 64)
+        self.head = nn.Linear(64, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        return self.head(h + self.wo(self.act(self.wi(h)).float() * 60000.0))
+
+
+def test_a_layer_kept_in_fp32_is_said_to_be_in_fp16_keep_fp32_and_its_input_row_is_its_input() -> None:
+    """wo kept in fp32 (outside autocast) under fp16, its fp32 input beyond 65504: the fp16_kept_fp32 remedy said
+    "keep_fp32 lists it", where the recommendation's keep_fp32 is the list of the format it recommends (bf16 on an
+    A100: wo is not in it) and the list that holds wo is fp16_keep_fp32; and it said "55 values an fp16 cast makes
+    inf in wo:input, wo", naming wo's input row as if it were a module of its own. The remedy names
+    fp16_keep_fp32 now, which holds wo under either verdict, and the row is said to be wo's input."""
+    torch.manual_seed(0)
+    model = _Ffn()
+    read: list[torch.Tensor] = []
+    model.wo.register_forward_pre_hook(lambda mod, args: read.append(args[0].detach()))
+    run = train_profiled(
+        model,
+        regression_batches(32, batch=32),
+        nn.functional.mse_loss,
+        precision="fp16",
+        loss_scale=2.0**8,
+        keep_fp32=["wo"],
+        steps=3,
+        lr=1e-6,
+    )
+    assert len(read) == 3 and all(x.dtype == torch.float32 and bool(x.isfinite().all()) for x in read)
+    over = sum(int(torch.isinf(x.half()).sum()) for x in read)  # what a cast to fp16 makes inf of wo's input
+    assert over > 0
+    for hardware, fmt in (("t4", "fp16"), ("a100", "bf16")):
+        rec = run.recommend(hardware)
+        assert rec.format == fmt and "wo" in rec.fp16_keep_fp32
+        assert ("wo" in rec.keep_fp32) == (fmt == "fp16")  # keep_fp32 is the recommended format's list
+        f = rec.finding("fp16_kept_fp32")
+        assert f is not None and f.modules == ["wo"]
+        assert f.remedy.startswith(
+            "Keep wo in fp32 (outside autocast) under fp16, as this run does: the recommendation's fp16_keep_fp32 "
+            "lists it; "
+        )
+        assert not re.search(r"(?<!fp16_)keep_fp32 lists", f.remedy)
+        assert (
+            f"wo: {over} values an fp16 cast makes inf in wo's input and wo's output (max |x| " in f.message
+        )
+        assert "wo:input" not in f.title + f.message + f.remedy
