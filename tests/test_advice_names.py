@@ -6,8 +6,11 @@ from __future__ import annotations
 import re
 
 import torch
+from scenarios import lost_updates
 from scenarios.loop import regression_batches, train_profiled
 from torch import nn
+
+from precprof.analysis.advisor.text import _pct
 
 
 class _Ffn(nn.Module):
@@ -66,3 +69,35 @@ def test_a_layer_kept_in_fp32_is_said_to_be_in_fp16_keep_fp32_and_its_input_row_
             f"wo: {over} values an fp16 cast makes inf in wo's input and wo's output (max |x| " in f.message
         )
         assert "wo:input" not in f.title + f.message + f.remedy
+
+
+def test_a_what_if_names_fp32_lost_updates_only_where_that_finding_fires() -> None:
+    """An fp32 MLP trained with AdamW at 1e-5: 3 of its 31,878 intended updates did not land in its fp32 weights
+    (the truth, read around optimizer.step()), far below the 1% at which fp32_lost_updates warns, and it does not
+    fire; bf16_lost_updates' message said of them "did not land in the run's own fp32 weights either
+    (fp32_lost_updates)", naming a finding the report does not hold. It gives their share against that
+    threshold now, and names fp32_lost_updates where it fires (the updates clipped to a norm of 1e-6)."""
+    run, truth = lost_updates.run_layers(torch.float32, lr=1e-5)
+    stuck, intended = int(truth["stuck"].sum()), int(truth["intended"].sum())
+    assert 0 < stuck < 0.01 * intended
+    rec = run.recommend()
+    assert rec.finding("fp32_lost_updates") is None
+    for f in rec.findings:
+        assert "fp32_lost_updates" not in f.title + f.message + f.remedy + f.method
+    whatif = rec.finding("bf16_lost_updates")
+    assert whatif is not None and whatif.numbers["lost_in_fp32"] == stuck
+    assert (
+        f" {stuck} of them did not land in the run's own fp32 weights either ({_pct(stuck / intended)} of the "
+        "updates, each parameter at its size: below the 1% at which precprof warns that fp32 weights do not train)."
+        in whatif.message
+    )
+
+    clipped, truth = lost_updates.run_layers(torch.float32, lr=1e-2, sgd=True, clip=1e-6)
+    rec = clipped.recommend()
+    assert rec.finding("fp32_lost_updates") is not None
+    whatif = rec.finding("bf16_lost_updates")
+    assert whatif is not None
+    assert (
+        f" {int(truth['stuck'].sum()):,} of them did not land in the run's own fp32 weights either "
+        "(fp32_lost_updates)." in whatif.message
+    )

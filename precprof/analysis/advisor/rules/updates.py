@@ -231,18 +231,30 @@ def _held_apart_words(
     )
 
 
-def _fp32_stuck_words(rows: pd.DataFrame, sampled: bool) -> tuple[str, dict[str, int]]:
+def _fp32_stuck_words(
+    run: _Run, rows: pd.DataFrame, sampled: bool, weights: pd.Series
+) -> tuple[str, dict[str, int]]:
     """For a what-if over fp32 weights: the sentence on those of its updates that did not land in the run's own
-    fp32 weights either (``fp32_lost_updates``), and its number (of the sampled updates where ``sampled``: the
-    share is an estimate from a sample); "" when there are none."""
+    fp32 weights either, and its number (of the sampled updates where ``sampled``: the share is an estimate from a
+    sample); "" when there are none. ``fp32_lost_updates`` is named where it fires (its share above
+    ``lost_update_warn``): a text names no finding the report does not hold."""
     if T.LOST_UPDATE_HELD not in rows:
         return "", {}
     n = int(rows.loc[T.texts(rows[T.DTYPE]).astype(str) == "float32", T.LOST_UPDATE_HELD].sum())
     if not n:
         return "", {}
+    fp32_share = _fp32_lost(run, weights)[3]
+    fires = fp32_share is not None and fp32_share > run.cfg.lost_update_warn
     return (
-        f" {n:,} of {'the sampled ones' if sampled else 'them'} did not land in the run's own fp32 weights either "
-        "(fp32_lost_updates).",
+        f" {n:,} of {'the sampled ones' if sampled else 'them'} did not land in the run's own fp32 weights either"
+        + (
+            " (fp32_lost_updates)."
+            if fires
+            else "."
+            if fp32_share is None
+            else f" ({_pct(fp32_share)} of the updates, each parameter at its size: below the "
+            f"{_pct(run.cfg.lost_update_warn)} at which precprof warns that fp32 weights do not train)."
+        ),
         {"lost_in_fp32": n},
     )
 
@@ -364,7 +376,9 @@ def _rule_lost_updates(run: _Run, plan: _Plan) -> None:
             continue
         sampled_words, sampled_method, sampled_nums = _sampled_words(run, rows, lost, nz, weights)
         nonfinite_words, nonfinite_nums = _nonfinite_words(held_rows, run)
-        fp32_words, fp32_nums = _fp32_stuck_words(rows, bool(sampled_words)) if not is_pure else ("", {})
+        fp32_words, fp32_nums = (
+            _fp32_stuck_words(run, rows, bool(sampled_words), weights) if not is_pure else ("", {})
+        )
         unfollowed_words, unfollowed_nums = _unfollowed_words(run)
         by_share = _by_module(rows, rows[col], weights)
         worst = _worst(run, by_share, cfg.lost_update_warn, cfg.max_listed_modules)
