@@ -125,6 +125,35 @@ def test_an_fp32_norm_output_that_overflows_in_lm_heads_cast_names_lm_head() -> 
     assert after.finding("fp16_activation_overflow") is None and after.fp16_keep_fp32 == ["lm_head"]
 
 
+def test_an_fp32_norm_output_near_fp16s_limit_names_lm_head_not_the_norm() -> None:
+    """The same norm's output within 2x of 65504 (its largest |x| scaled to 40000): no overflow yet, a warning. It
+    said "Keep these modules in fp32" of model.norm, fp32 already, and the verdict's keep list held model.norm;
+    both name lm_head now, whose cast to fp16 takes the values near fp16's limit."""
+    model = _llama()
+    model.model.norm._forward_hooks.clear()  # (the 1e5 hook)
+    model.model.norm.register_forward_hook(lambda m, a, y: y * (40000.0 / y.detach().abs().max()))
+    with _outputs(model, ["model.norm", "lm_head"]) as seen:
+        rec, _ = _train(model, _tokens, _lm_loss)
+    # the run has the problem: the norm's output is fp32, near 65504 and below it; lm_head's fp16 output is finite
+    assert all(y.dtype == torch.float32 and 32752 <= float(y.abs().max()) < 65504 for y in seen["model.norm"])
+    assert all(y.dtype == torch.float16 and bool(y.isfinite().all()) for y in seen["lm_head"])
+    assert rec.finding("fp16_activation_overflow") is None
+    f = rec.finding("fp16_activation_near_overflow")
+    assert f is not None and f.modules == ["model.norm"]
+    assert f.remedy.startswith(
+        "Keep lm_head in fp32 (outside autocast): model.norm's output is fp32 (autocast leaves it in fp32) and comes "
+        "within 2x of 65504 only in the cast to fp16 that lm_head makes of it for its matmul"
+    )
+    assert "(keeping model.norm in fp32 changes nothing: it is fp32 already)" in f.remedy
+    assert f.remedy.endswith(", or use bf16.")
+    assert rec.fp16_keep_fp32 == ["lm_head"]
+    reasons = " ".join(rec.reasons)
+    assert (
+        "Keep lm_head in fp32: autocast would cast an fp32 input within 2x of 65504 to fp16 there" in reasons
+    )
+    assert "Keep model.norm" not in reasons
+
+
 class _Attention(nn.Module):
     """Llama's attention, small: q, k, v and o projections, the scores q @ k^T computed by its own forward without
     the 1/sqrt(head_dim) scale, their causal softmax, and the product with v. Its q and k weights are 300 times the

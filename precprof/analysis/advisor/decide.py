@@ -450,12 +450,18 @@ def _fp16_keep_said(plan: _Plan, cfg: AdvisorConfig) -> list[str]:
     new = [m for m in plan.keep_fp16 if m not in plan.kept_fp32]
     flush = [m for m in new if m in plan.fp16_flush_kept]
     cast = [m for m in new if m in plan.fp16_cast_kept and m not in flush]
-    over = [m for m in new if m not in flush and m not in cast]
+    near = [m for m in new if m in plan.fp16_cast_near_kept and m not in flush and m not in cast]
+    over = [m for m in new if m not in flush and m not in cast and m not in near]
     said = []
     if cast:
         said.append(
             f"Keep {_listing(cast, cfg.max_listed_modules)} in fp32: autocast would cast an fp32 input beyond 65504 "
             "to fp16 there, which makes it inf (fp16_activation_overflow)."
+        )
+    if near:
+        said.append(
+            f"Keep {_listing(near, cfg.max_listed_modules)} in fp32: autocast would cast an fp32 input within 2x of "
+            "65504 to fp16 there (fp16_activation_near_overflow)."
         )
     if over:
         said.append(

@@ -563,6 +563,8 @@ class _Plan:
     fp16_flush_kept: list[str] = field(default_factory=list)
     # matmul layers in keep_fp16 for an fp32 input beyond 65504 they cast to fp16 (a norm's output autocast leaves fp32)
     fp16_cast_kept: list[str] = field(default_factory=list)
+    # ... for an fp32 input within 2x of 65504 (fp16_activation_near_overflow), not beyond it
+    fp16_cast_near_kept: list[str] = field(default_factory=list)
     # the recorded modules whose backward writes zeros (a ReLU, a dropout) after the fp16 activation gradients
     # whose zeros fp16_gradient_underflow does not count: none, and a mask there is a function precprof does not see
     fp16_masks: list[str] = field(default_factory=list)

@@ -107,9 +107,14 @@ def _rule_fp16_activations(run: _Run, plan: _Plan) -> None:
     # an fp32 output (a norm autocast leaves in fp32) goes to fp16 only in the cast its matmul readers make: they
     # are kept, not the module that made it, which is fp32 already
     cast_by = _cast_by_readers(run, plan, overflow_mods)
+    cast_near = _cast_by_readers(run, plan, near_mods)  # (one within 2x of 65504 alike)
     kept_for = [r for m in overflow_mods for r in cast_by.get(m, [m])]
+    near_for = [r for m in near_mods for r in cast_near.get(m, [m])]
     plan.fp16_cast_kept = run.sort({r for m, rs in cast_by.items() for r in rs if r != m})
-    keep = _modules_to_keep([*kept_for, *near_mods], _model_inputs(run), _no_forward(run))
+    plan.fp16_cast_near_kept = run.sort(
+        {r for m, rs in cast_near.items() for r in rs if r != m} - set(plan.fp16_cast_kept)
+    )
+    keep = _modules_to_keep([*kept_for, *near_for], _model_inputs(run), _no_forward(run))
     plan.fp16_passed_on = passed = _passed_on(run, keep)
     plan.keep_fp16 = run.sort(p for m in keep if (p := passed.get(m, m)))
     if overflow_mods:
@@ -135,7 +140,7 @@ def _rule_fp16_activations(run: _Run, plan: _Plan) -> None:
                     for m in near_mods[: cfg.max_listed_modules]
                 )
                 + ". Steps that were not sampled may overflow.",
-                "Keep these modules in fp32 under fp16" + _passed_said(plan, near_mods) + ", or use bf16.",
+                _near_remedy(plan, near_mods, cast_near),
                 modules=near_mods,
                 numbers={
                     "modules": _n_modules(near_mods),
@@ -533,23 +538,47 @@ def _kept_remedy(
             + " in fp32 (outside autocast)"
             + _normalise_remedy([m for m in made if m not in cast_by], _model_inputs(run))
         )
-    for m in [m for m in overflow_mods if m in cast_by][:4]:
-        readers = [c for c in cast_by[m] if c != m]
-        one = len(readers) == 1
-        kept = m in cast_by[m]  # a matmul layer the run kept outside autocast
-        said.append(
-            f"keep {_listing(readers, 4)} in fp32 (outside autocast): {_name(m)}'s output is fp32 "
-            f"({'this run keeps it outside autocast' if kept else 'autocast leaves it in fp32'}) and goes beyond "
-            f"65504 only in the cast to fp16 that {_listing(readers, 4)} {'makes' if one else 'make'} of it for "
-            f"{'its' if one else 'their'} matmul, so kept in fp32 {'it reads' if one else 'they read'} it unrounded; "
-            f"or scale {_name(m)}'s output down before {'it' if one else 'them'}"
-            + (
-                f" ({_name(m)} stays in fp32 too: under autocast its own output would be fp16)"
-                if kept
-                else f" (keeping {_name(m)} in fp32 changes nothing: it is fp32 already)"
-            )
-        )
+    said += [_readers_remedy(m, cast_by[m], "goes beyond 65504") for m in overflow_mods if m in cast_by][:4]
     return "; ".join(said)
+
+
+def _near_remedy(plan: _Plan, near_mods: list[str], cast_near: Mapping[str, list[str]]) -> str:
+    """fp16_activation_near_overflow's remedy: keep the modules in fp32, or, for one whose fp32 output comes near
+    65504 only in the casts its matmul readers make (``cast_near``, ``_cast_by_readers``), those readers (an fp32
+    norm's output before lm_head was said as "keep model.norm in fp32", which it is)."""
+    plain = [m for m in near_mods if m not in cast_near]
+    said = []
+    if plain:
+        said.append(
+            f"Keep {'these modules' if not cast_near else _listing(plain, 4)} in fp32 under fp16"
+            + _passed_said(plan, plain)
+        )
+    said += [
+        _readers_remedy(m, cast_near[m], "comes within 2x of 65504") for m in near_mods if m in cast_near
+    ][:4]
+    text = "; ".join(said)
+    return text[:1].upper() + text[1:] + ", or use bf16."
+
+
+def _readers_remedy(m: str, cast_by: list[str], how: str) -> str:
+    """Keep the matmul layers that read ``m``'s fp32 output under autocast (``cast_by``: ``_cast_by_readers``'
+    entry of ``m``) in fp32, where that output ``how`` ("goes beyond 65504") only in their cast to fp16; or scale it
+    down before them."""
+    readers = [c for c in cast_by if c != m]
+    one = len(readers) == 1
+    kept = m in cast_by  # a matmul layer the run kept outside autocast
+    return (
+        f"keep {_listing(readers, 4)} in fp32 (outside autocast): {_name(m)}'s output is fp32 "
+        f"({'this run keeps it outside autocast' if kept else 'autocast leaves it in fp32'}) and {how} "
+        f"only in the cast to fp16 that {_listing(readers, 4)} {'makes' if one else 'make'} of it for "
+        f"{'its' if one else 'their'} matmul, so kept in fp32 {'it reads' if one else 'they read'} it unrounded; "
+        f"or scale {_name(m)}'s output down before {'it' if one else 'them'}"
+        + (
+            f" ({_name(m)} stays in fp32 too: under autocast its own output would be fp16)"
+            if kept
+            else f" (keeping {_name(m)} in fp32 changes nothing: it is fp32 already)"
+        )
+    )
 
 
 def _copies_said(per_mod: pd.DataFrame, m: str, copies: list[str]) -> str:
