@@ -123,6 +123,12 @@ LABELS: dict[Any, tuple[str, str] | None] = {
     "final_loss": ("final loss", "number"),
     "spacing": ("spacing of the format's values at the final loss", "number"),
     ("fp16_gradient_overflow", "values"): ("gradient values that overflow FP16", "count"),
+    ("fp16_norm_overflow", "zeros"): ("exact zeros in the norm's output", "count"),
+    ("fp16_norm_overflow", "values"): ("the norm's output values", "count"),
+    ("fp16_norm_overflow", "share"): ("share of the norm's output that is zeros", "share"),
+    "zeros": ("exact zeros", "count"),
+    "input_zeros": ("exact zeros in its input", "count"),
+    "input_values_at_least_256": ("input values of |x| >= 256 (their square beyond FP16's 65504)", "count"),
     ("fp16_gradient_overflow", "steps"): ("sampled steps with overflow", "count"),
     ("bf16_activation_overflow", "values"): ("values that overflow BF16", "count"),
     # the scaler
