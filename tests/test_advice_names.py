@@ -4,13 +4,16 @@ a layer's input row named as that layer's input, and no finding named that the r
 from __future__ import annotations
 
 import re
+import warnings
 
 import torch
 from scenarios import lost_updates
 from scenarios.loop import regression_batches, train_profiled
 from torch import nn
 
+import precprof
 from precprof.analysis.advisor.text import _pct
+from precprof.report import environment
 
 
 class _Ffn(nn.Module):
@@ -101,3 +104,57 @@ def test_a_what_if_names_fp32_lost_updates_only_where_that_finding_fires() -> No
         f" {int(truth['stuck'].sum()):,} of them did not land in the run's own fp32 weights either "
         "(fp32_lost_updates)." in whatif.message
     )
+
+
+def _two_optimizers(second_steps: bool) -> dict[str, object]:
+    """A tiny MLP trained 4 steps by an SGD over its matrices, the only optimizer given to the Profiler, and an
+    AdamW over its biases (``second_steps``: the loop steps it too; else it is made and never stepped, as a slip
+    that leaves the biases in no optimizer that steps). Returns the capture's summary."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    mats = torch.optim.SGD([p for p in model.parameters() if p.dim() == 2], lr=0.1)
+    vecs = torch.optim.AdamW([p for p in model.parameters() if p.dim() == 1], lr=1e-3)
+    biases = [p.detach().clone() for p in model.parameters() if p.dim() == 1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with precprof.Profiler(
+            model, optimizer=mats, memory=False, block_formats=False, sample_every=1
+        ) as prof:
+            for _ in range(4):
+                model(torch.randn(4, 8)).square().mean().backward()
+                mats.step()
+                if second_steps:
+                    vecs.step()
+                mats.zero_grad()
+                vecs.zero_grad()
+                prof.step()
+    moved = [
+        not torch.equal(b, p)
+        for b, p in zip(biases, [p for p in model.parameters() if p.dim() == 1], strict=True)
+    ]
+    assert moved == [second_steps, second_steps]  # the loop's own check: the AdamW stepped the biases, or not
+    return prof.summary()
+
+
+def test_parameters_a_second_optimizer_steps_are_not_said_to_be_in_no_optimizer() -> None:
+    """Two optimizers, an SGD over the matrices (given to the Profiler) and an AdamW over the biases (not given),
+    both stepping: the environment's row read "trainable not in optimizer 0=bias, 2=bias", the biases the AdamW
+    held and stepped (tester t2). They are said apart now, as stepped by an optimizer the Profiler was not given;
+    a bias no optimizer steps (the AdamW made and never stepped) is still said to be in no optimizer followed."""
+    capture = _two_optimizers(second_steps=True)
+    assert "trainable_not_in_optimizer" not in capture
+    assert capture["trainable_in_optimizer_not_given"] == {"0": ["bias"], "2": ["bias"]}
+    rows = dict(environment.capture_rows(capture, {}))
+    assert rows["stepped by another optimizer"] == (
+        "0.bias, 2.bias: held by an optimizer the Profiler was not given, which stepped them; their updates were "
+        "not read"
+    )
+    assert not any("not in" in label or "no optimizer" in label for label in rows)
+    assert not any(re.search(r"\b\w+=\S", v) for v in rows.values())
+
+    idle = _two_optimizers(second_steps=False)
+    assert idle["trainable_not_in_optimizer"] == {"0": ["bias"], "2": ["bias"]}
+    assert "trainable_in_optimizer_not_given" not in idle
+    rows = dict(environment.capture_rows(idle, {}))
+    assert rows["trainable, in no optimizer followed"].startswith("0.bias, 2.bias: in no param group of the ")
+    assert "stepped by another optimizer" not in rows

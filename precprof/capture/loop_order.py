@@ -99,6 +99,9 @@ class LoopOrder:
         self._before_forward = False
         # optimizer id -> class, of the optimizers not followed that stepped the model's parameters
         self._unfollowed: dict[int, str] = {}
+        # the ids of the parameters those optimizers hold (``HeldSeen``: stepped by an optimizer not given, and so
+        # in an optimizer, though not in one the Profiler follows)
+        self._unfollowed_params: set[int] = set()
         self._inside = 0  # followed optimizers' steps in progress (one may step another inside it)
         self._followed_steps = 0
         # per step of an optimizer not followed in progress: ``_followed_steps`` as it began
@@ -175,8 +178,10 @@ class LoopOrder:
         if self._inside or began != self._followed_steps or id(optimizer) in self._unfollowed:
             return
         params = self._params
-        if any(id(p) in params for g in getattr(optimizer, "param_groups", ()) for p in g["params"]):
+        ids = {id(p) for g in getattr(optimizer, "param_groups", ()) for p in g["params"]}
+        if any(i in params for i in ids):
             self._unfollowed[id(optimizer)] = type(optimizer).__name__
+            self._unfollowed_params |= ids
 
     def judge(self, step: int, hooks: Any) -> None:
         """The sampled step ``step`` ends: its faults counted and, the first time of each kind, warned about, and
@@ -189,7 +194,7 @@ class LoopOrder:
         if hooks is not None:
             self.trained.note(step, hooks)
             if self._steps_of:
-                self.held.note(hooks)
+                self.held.note(hooks, self._unfollowed_params if self._unfollowed else set())
         seen, n = self._forwards_seen, self._forwards
         self._forwards_seen = (min(seen[0], n), max(seen[1], n)) if seen is not None else (n, n)
         most = max(self._steps_of.values(), default=0)

@@ -13,13 +13,16 @@ the model's: ``given.NOT_HELD`` warns of it). A tied weight is one Parameter obj
 
 The summary's ``capture.trainable_not_in_optimizer`` (``HeldSeen.summary``): per module, as the layer rows name it,
 its parameters that had ``requires_grad`` set on some such step and were held on none; absent where there are
-none."""
+none. A parameter that an optimizer the Profiler was not given held as it stepped in that step (a loop of two
+optimizers, the matrices' and the vectors', that handed one over) is in an optimizer, one the Profiler does not
+follow: it is said apart, in ``capture.trainable_in_optimizer_not_given``, never as in no optimizer."""
 
 from __future__ import annotations
 
 from typing import Any
 
 NOT_IN_OPTIMIZER = "trainable_not_in_optimizer"  # the summary's key (``capture``)
+NOT_GIVEN = "trainable_in_optimizer_not_given"  # the summary's key of those an optimizer not given stepped
 
 
 class HeldSeen:
@@ -29,6 +32,9 @@ class HeldSeen:
     def __init__(self) -> None:
         self._held: set[tuple[str, str]] = set()
         self._loose: set[tuple[str, str]] = set()  # trainable and not held on some step
+        self._beside: set[tuple[str, str]] = (
+            set()
+        )  # not held, and stepped by an optimizer not given on some step
         self._order: dict[tuple[str, str], int] = {}  # each parameter's place in the model, as first planned
         self.steps = 0  # the sampled steps checked
         # what the last look found: (the plan, the groups' key, whether they held any of its parameters, the
@@ -37,9 +43,10 @@ class HeldSeen:
         self._seen: tuple[Any, tuple[Any, ...], bool, list[Any]] | None = None
         self._out: list[Any] = []
 
-    def note(self, hooks: Any) -> None:
+    def note(self, hooks: Any, beside: set[int] | frozenset[int] = frozenset()) -> None:
         """A sampled step in which an optimizer the Profiler follows stepped ends: the optimizers and the plan of
-        ``hooks`` (``capture.hooks.StepHooks``), as they are now."""
+        ``hooks`` (``capture.hooks.StepHooks``), as they are now; ``beside``: the ids of the parameters held by the
+        optimizers the Profiler was not given that stepped the model's parameters in the step."""
         plan = getattr(hooks, "plan", None)
         optimizers = list(getattr(hooks, "optimizers", None) or ())
         if plan is None or not optimizers:
@@ -61,12 +68,19 @@ class HeldSeen:
         self.steps += 1
         for ps in self._out:
             if ps.tensor.requires_grad:
-                self._loose.add((ps.module, ps.param))
+                (self._beside if id(ps.tensor) in beside else self._loose).add((ps.module, ps.param))
 
     def summary(self) -> dict[str, Any]:
         """summary.json's ``capture.trainable_not_in_optimizer``: {module: [param, ...]} of the parameters that
-        were trainable on a checked step and held on none, in model order; {} where there are none."""
-        out: dict[str, list[str]] = {}
-        for m, p in sorted(self._loose - self._held, key=self._order.__getitem__):
-            out.setdefault(m, []).append(p)
-        return {NOT_IN_OPTIMIZER: out} if out else {}
+        were trainable on a checked step and held on none, in model order; and ``trainable_in_optimizer_not_given``,
+        of those among them that an optimizer the Profiler was not given held as it stepped; {} where there are
+        none."""
+        said: dict[str, Any] = {}
+        beside = self._beside - self._held
+        for key, params in ((NOT_IN_OPTIMIZER, self._loose - self._held - beside), (NOT_GIVEN, beside)):
+            out: dict[str, list[str]] = {}
+            for m, p in sorted(params, key=self._order.__getitem__):
+                out.setdefault(m, []).append(p)
+            if out:
+                said[key] = out
+        return said

@@ -51,7 +51,8 @@ _CAPTURE_SAID = _keys(
     "gemm_inputs model_inputs modules_without_forward optimizer optimizer_changes updates_from updates_read_steps "
     "model_changes "
     "distributed eval_forwards_ignored checkpointed_forwards weight_grads_unread_steps weight_grads_unread_modules "
-    "self_call_forwards_unread scaler_from output_head mixed_precision_asked_as step_passes"
+    "self_call_forwards_unread scaler_from output_head mixed_precision_asked_as step_passes "
+    "trainable_not_in_optimizer trainable_in_optimizer_not_given"
 )
 _HARDWARE_SAID = _keys(
     "device name compute_capability bf16_supported bf16_native fp16_native fp16_tensor_cores tf32_supported "
@@ -704,6 +705,7 @@ def capture_rows(
                 _update_reads(capture["weight_update_sample"], opt, capture) + (f"; {late}" if late else ""),
             )
         )
+    rows += _not_held_rows(capture)
     unread = weight_grads_unread(capture)
     if unread:
         rows.append(("weight gradients", unread))
@@ -748,6 +750,40 @@ def capture_rows(
     if capture.get("memory_error"):
         rows.append(("memory breakdown", f"failed: {capture['memory_error']}"))
     rows += [(_label(k), F.plain(v)) for k, v in capture.items() if k not in _CAPTURE_SAID and not _empty(v)]
+    return rows
+
+
+def _params_said(held: Any) -> str:
+    """{module: [param, ...]} (``capture.trainable_not_in_optimizer`` and its kin) as the parameters' names, at
+    most 8 and how many more: "0.bias, 2.bias"."""
+    names = [f"{m}.{p}" for m, ps in _map(held).items() if isinstance(ps, list) for p in ps]
+    return ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+
+
+def _not_held_rows(capture: Mapping[str, Any]) -> Rows:
+    """The trainable parameters no optimizer the Profiler follows held (``capture.trainable_not_in_optimizer``),
+    and apart from them those an optimizer it was not given held as it stepped the model's parameters
+    (``capture.trainable_in_optimizer_not_given``): those are in an optimizer, one it does not follow (a row read
+    "trainable not in optimizer 0=bias, 2=bias" of the biases a second optimizer stepped, tester t2)."""
+    rows: Rows = []
+    loose = _params_said(capture.get("trainable_not_in_optimizer"))
+    if loose:
+        rows.append(
+            (
+                "trainable, in no optimizer followed",
+                f"{loose}: in no param group of the optimizers the "
+                "Profiler follows on any sampled step they stepped",
+            )
+        )
+    beside = _params_said(capture.get("trainable_in_optimizer_not_given"))
+    if beside:
+        rows.append(
+            (
+                "stepped by another optimizer",
+                f"{beside}: held by an optimizer the Profiler was not given, "
+                "which stepped them; their updates were not read",
+            )
+        )
     return rows
 
 
