@@ -32,9 +32,8 @@ class HeldSeen:
     def __init__(self) -> None:
         self._held: set[tuple[str, str]] = set()
         self._loose: set[tuple[str, str]] = set()  # trainable and not held on some step
-        self._beside: set[tuple[str, str]] = (
-            set()
-        )  # not held, and stepped by an optimizer not given on some step
+        # not held, and stepped by an optimizer not given on some step
+        self._beside: set[tuple[str, str]] = set()
         self._order: dict[tuple[str, str], int] = {}  # each parameter's place in the model, as first planned
         self.steps = 0  # the sampled steps checked
         # what the last look found: (the plan, the groups' key, whether they held any of its parameters, the
