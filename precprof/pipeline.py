@@ -235,6 +235,8 @@ def rerender(
     # before reading: a live run is read from its stream
     live = recording is not None or rundir.live_writer(rd) is not None
     summary = T.read_summary(rd) if T.is_run_dir(rd) else {}
+    if not live and rundir.says_running(summary):  # "running (pid ...)" of a process that is gone
+        summary = {**summary, T.SUMMARY_INCOMPLETE_REASON: rundir.ended_unsaved(summary)}
     if recording is not None:
         now = {k: v for k, v in recording.items() if k not in (T.SUMMARY_STATUS, T.SUMMARY_INCOMPLETE_REASON)}
         summary = {**summary, **now}

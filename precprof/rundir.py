@@ -491,6 +491,20 @@ def says_running(summary: Mapping[str, Any]) -> bool:
     return isinstance(reason, str) and reason.startswith(_RUNNING_PREFIX)
 
 
+def ended_unsaved(summary: Mapping[str, Any]) -> str:
+    """The cause a report gives for a run whose summary.json still says "running (pid ...)" (``says_running``)
+    when no process holds its directory (``live_writer``: its lock is free): the process that recorded it ended
+    before it saved. summary.json stays as written (a report never rewrites it); its page said "running (pid
+    18707, ...)" of a process that was gone (tester t1: a ``precprof train`` killed with SIGKILL)."""
+    reason = str(summary.get(T.SUMMARY_INCOMPLETE_REASON) or "")
+    m = re.match(re.escape(_RUNNING_PREFIX) + r"(pid \d+, started [^)]*)\)", reason)
+    return (
+        f"The process that recorded it{f' ({m.group(1)})' if m else ''} ended before it could save, and no process "
+        "holds the run directory now: killed (SIGKILL, out of memory; SIGTERM, as torchrun sends when another rank "
+        "fails), or a script that never called prof.save() or prof.report()"
+    )
+
+
 def stopped_note(path: str | os.PathLike[str]) -> str | None:
     """One line when run directory ``path`` is held by a live process (``live_writer``) whose Profiler stopped
     before it saved the run: its summary.json gives the cause (an exception in a ``with Profiler(...)`` block,

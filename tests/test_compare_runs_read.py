@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import precprof
-from precprof import _atomic, cli, training
+from precprof import _atomic, cli, pipeline, rundir, training
 from precprof import compare as C
 from precprof import tables as T
 from precprof.analysis import comparison as A
@@ -109,6 +109,24 @@ def test_a_killed_run_is_read_as_its_report_reads_it(
     assert killed.reason is not None and killed.reason.startswith(f"cut off after step {KILL_AFTER}: killed")
     html = page.read_text()
     assert "running (pid" not in html and f"cut off after step {KILL_AFTER}" in html
+
+
+@RUNS
+def test_a_killed_runs_report_says_its_process_ended_not_that_it_runs(
+    fp32_and_killed: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """Tester t1: after a run killed with SIGKILL, ``precprof report RUN`` drew a page whose banner said "running
+    (pid 18707, started ...)" of a process that was gone. No process holds the directory (its lock is free): the
+    page says that process ended before it could save, naming it; summary.json stays as the run wrote it."""
+    _, killed_dir = fp32_and_killed
+    said = T.read_summary(killed_dir)[T.SUMMARY_INCOMPLETE_REASON]
+    pid = re.match(r"running \((pid \d+, started [^)]*)\)", said)
+    assert pid is not None and rundir.live_writer(killed_dir) is None
+    page = pipeline.rerender(killed_dir, out=tmp_path / "report.html").read_text()
+    text = re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", page))
+    assert "Incomplete run." in text and "running (pid" not in text
+    assert f"The process that recorded it ({pid.group(1)}) ended before it could save" in text
+    assert T.read_summary(killed_dir)[T.SUMMARY_INCOMPLETE_REASON] == said  # never rewritten
 
 
 @pytest.fixture(scope="module")
