@@ -31,7 +31,7 @@ from precprof import _atomic, _run_finisher, _saving, _signals, hardware, rundir
 from precprof import tables as T
 from precprof._notice import notice
 from precprof.analysis import advisor, memory_projection, update_ratio
-from precprof.analysis.final import final_block
+from precprof.analysis.final import final_block, machine_load
 from precprof.analysis.throughput import compiled_steps
 from precprof.errors import RunNotSavedWarning, UserError
 from precprof.report.render import render_html, render_run_dir
@@ -117,6 +117,8 @@ def finish_run(
             full[T.SUMMARY_VERSIONS] = hardware.software_versions()
         if T.SUMMARY_FINAL not in full:
             full[T.SUMMARY_FINAL] = final_block(tables["steps"], math.nan, compiled_steps(full))
+        if isinstance(full[T.SUMMARY_FINAL], dict):  # the other work on the machine, beside the steps' rate
+            full[T.SUMMARY_FINAL] = {**full[T.SUMMARY_FINAL], **machine_load(full)}
         saving = _saving.Saving(run_dir)
         full.update(post_process(tables, full, facts))
         saving.write_tables(tables)

@@ -5,7 +5,7 @@ steps, tokens/s) as the report's header gives them, for the runs whose summary n
 from __future__ import annotations
 
 import math
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import pandas as pd
@@ -27,6 +27,18 @@ def final_loss(steps: pd.DataFrame) -> float | None:
             return float(pd.to_numeric(given[T.LOSS], errors="coerce").iloc[-1])
     loss = pd.to_numeric(steps[T.LOSS], errors="coerce").dropna()
     return float(loss.iloc[-1]) if len(loss) else None
+
+
+def machine_load(summary: Mapping[str, Any]) -> dict[str, Any]:
+    """How busy the machine was with other work while the run's steps were timed, as the Profiler measured it
+    (the summary's ``capture.machine_load``: ``capture/machine_load.py``), for the ``final`` block beside the
+    run's tokens per second: ``other_cpu_cores`` (None where not measured: no /proc/stat) and ``cpu_count``. Empty
+    for a summary without it (a run recorded before precprof measured it)."""
+    capture = summary.get(T.SUMMARY_CAPTURE)
+    load = capture.get("machine_load") if isinstance(capture, Mapping) else None
+    if not isinstance(load, Mapping):
+        return {}
+    return {k: load.get(k) for k in ("other_cpu_cores", "cpu_count")}
 
 
 def final_block(steps: pd.DataFrame, wall_s: float, compiled: Collection[int]) -> dict[str, Any]:

@@ -35,13 +35,14 @@ from torch import nn
 from precprof import _compat, _signals, clipwatch, rundir
 from precprof import stats as st
 from precprof import tables as T
-from precprof.capture import arguments, attached, given, unsaved
+from precprof.capture import arguments, attached, given, unsaved, writer_process
 from precprof.capture.assembly import PartsAssembly
 from precprof.capture.block_budget import DEFAULT_SHARE, BlockDeal
 from precprof.capture.collect import Collector
 from precprof.capture.hooks import StepHooks
 from precprof.capture.landed import LandedValues
 from precprof.capture.loop_order import LoopOrder
+from precprof.capture.machine_load import MachineLoad
 from precprof.capture.optimizer_switch import OptimizerSwitch
 from precprof.capture.plan import CapturePlan, ModuleFilter, block_formats_from_env
 from precprof.capture.recorded import Recorded
@@ -260,6 +261,7 @@ class Profiler(PartsAssembly, ProfilerResults, OptimizerSwitch):
         self._clip_norms: clipwatch.ClipNorms | None = None
         self._stance = SampledStance()  # force_eager for the sampled steps, and a loop's own stance
         self._loop = LoopOrder()  # what the sampled steps saw of the loop's order (prof.step() misplaced)
+        self._load = MachineLoad(writer_process.pids)  # other work on the machine while attached
 
         self._step = first_step
         self._sampling = False
@@ -353,6 +355,7 @@ class Profiler(PartsAssembly, ProfilerResults, OptimizerSwitch):
         unsaved.watch(self)  # an uncaught exception that ends the script: its run says so
         # the step in progress starts now: a re-attached Profiler does not count the time it was detached
         self._t_last = time.perf_counter()
+        self._load.begin()  # (its stream's writer process started: its pid known)
         return self
 
     def _attach(self) -> None:
@@ -378,6 +381,7 @@ class Profiler(PartsAssembly, ProfilerResults, OptimizerSwitch):
         if not self._attached:
             return
         self._attached = False
+        self._load.end()  # the steps are timed: the last flush and the stream's close are not theirs
         hooks, clean = self._hooks, self._status == T.STATUS_COMPLETE
         has_data = hooks is not None and hooks.has_data and not (clean and hooks.no_step())
         self._remove_hooks()
@@ -394,6 +398,11 @@ class Profiler(PartsAssembly, ProfilerResults, OptimizerSwitch):
         self._close_stream()  # every flush on disk
         if self._dashboards is not None and self.is_writer:
             self._dashboards.close()
+
+    def summary(self) -> dict[str, Any]:
+        """The ``capture`` part of summary.json (``ProfilerResults.summary``), with ``machine_load``: how busy the
+        machine was with other work while attached (``capture.machine_load``)."""
+        return {**super().summary(), "machine_load": self._load.figures()}
 
     # ------------------------------------------------------------------------------------ block formats
     @property

@@ -49,7 +49,7 @@ _PROGRAM = (
     "sys.exit(main())\n"
 )
 
-__all__ = ["IDLE_S", "WriteError", "WriterProcess", "acquire", "release"]
+__all__ = ["IDLE_S", "WriteError", "WriterProcess", "acquire", "pids", "release"]
 
 
 class WriteError(Exception):
@@ -232,6 +232,13 @@ def acquire() -> tuple[WriterProcess, int]:
             _known.append(wp)
         wp.users += 1
         return wp, next(_channels)
+
+
+def pids() -> list[int]:
+    """The process ids of this Python's writer processes not yet ended: their CPU time is the runs' own
+    (``capture.machine_load``)."""
+    with _lock:
+        return [wp.proc.pid for wp in _known if wp.proc.poll() is None]
 
 
 def release(wp: WriterProcess, channel: int) -> None:

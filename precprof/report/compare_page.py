@@ -24,6 +24,7 @@ from precprof.analysis.comparison import (
     describe_run,
     describe_scale,
     finite,
+    load_differs,
     setup_differences,
     smoothing_window,
     uneven_steps,
@@ -391,6 +392,8 @@ def _throughput_panel(
             why = (
                 " no bar: uneven step times"
                 if uneven_steps(r)
+                else f" no bar: other work on the\n machine than for {plain(ref.label)}"
+                if load_differs(r, ref)
                 else f" no bar: not timed\n as {plain(ref.label)} was"
             )
             ax_tp.text(0, yi, why, va="center", fontsize=8, color="#666666")

@@ -136,6 +136,7 @@ __all__ = [
     "emulation",
     "finite",
     "format_warnings",
+    "load_differs",
     "no_steps_file",
     "outcome_sentence",
     "parse_precisions",
@@ -358,7 +359,9 @@ def speed_not_taken(r: RunResult, ref: RunResult) -> str:
     both sides, even enough to time. Profiled against profiled is not like with like: a profiled step's time is
     much of it precprof's, whose cost follows the tensors' bytes and so the format (two identical comparisons of
     such steps gave bf16 at 1.44x and 0.88x fp32's speed; unprofiled, it was 0.4-0.9x). A run trained otherwise
-    than the reference (``RunResult.setup_differs``) is not compared either: its speed is not the precision's."""
+    than the reference (``RunResult.setup_differs``) is not compared either: its speed is not the precision's, nor
+    is a run's timed while the machine was busier with other work than while the reference's were
+    (``load_differs``)."""
     if r.setup_differs:
         return (
             f"{r.label}'s {and_list(r.setup_differs)} differ from {ref.label}'s: their speeds are not the "
@@ -376,7 +379,7 @@ def speed_not_taken(r: RunResult, ref: RunResult) -> str:
             f"{profiled.label}'s steps were all profiled and {plain.label}'s unprofiled ones timed: their speeds "
             "do not compare"
         )
-    return uneven_steps(ref) or uneven_steps(r)
+    return uneven_steps(ref) or uneven_steps(r) or load_differs(r, ref)
 
 
 def uneven_steps(run: RunResult) -> str:
@@ -389,6 +392,40 @@ def uneven_steps(run: RunResult) -> str:
             f"{run.step_time_spread:.0%} of their median: a machine busy with other work)"
         )
     return ""
+
+
+# how far apart the cores two runs' machines spent on other work may be while their steps were timed, for their
+# speeds to compare: MIN_OTHER_CORES_APART cores, or MAX_OTHER_CORES_SHARE of the machine's logical CPUs where
+# that is more. A CPU-bound training runs a thread per core, and an op split over them waits for its slowest: the
+# cores other work takes come off the training's (on a machine already full, the training's own CPU time is what
+# the other work's grows by). 10% of the cores moves a run's speed by 10% or more, and 1.1x is the gain the speed
+# checks read (``SMALL_MODEL_MIN_SPEEDUP``); below a quarter of a core is what a machine's own background (an
+# idle desktop, the kernel) comes and goes by within a run
+MIN_OTHER_CORES_APART = 0.25
+MAX_OTHER_CORES_SHARE = 0.1
+
+
+def load_differs(r: RunResult, ref: RunResult) -> str:
+    """Why ``r``'s speed against ``ref`` says nothing: other work kept more of the machine busy while one of them was
+    timed than while the other was ("" when both were timed under about the same load, or either was not
+    measured: a run recorded before precprof measured it, or where /proc/stat is absent). A run timed while another job kept a
+    core busy is steadily slower: its steps are even, and only this tells it."""
+    a, b = ref.other_cpu_cores, r.other_cpu_cores
+    if a is None or b is None:
+        return ""
+    cpus = max(n for n in (ref.cpu_count, r.cpu_count, 1) if n is not None)
+    if abs(a - b) <= max(MIN_OTHER_CORES_APART, MAX_OTHER_CORES_SHARE * cpus):
+        return ""
+    of = (
+        f"of its {ref.cpu_count} cores "
+        if ref.cpu_count is not None and ref.cpu_count == r.cpu_count
+        else "cores "
+    )
+    return (
+        f"{ref.label} and {r.label} were timed while other work kept different shares of the machine busy (on "
+        f"average {a:.2f} {of}while {ref.label}'s steps ran, {b:.2f} while {r.label}'s): their "
+        "speeds are not the precision's alone (run the comparison on an otherwise idle machine)"
+    )
 
 
 def emulation(r: RunResult) -> str:

@@ -199,6 +199,11 @@ class RunResult:
     tokens_per_s_basis: str = ""
     tokens_per_s_steps: int = 0
     step_time_spread: float = math.nan  # the counted steps' interquartile range over their median
+    # cores busy with other work on average while its steps were timed, and the machine's logical CPUs (its
+    # summary.json's ``final.other_cpu_cores`` and ``final.cpu_count``); None where not measured (no /proc/stat,
+    # a run recorded before precprof measured it)
+    other_cpu_cores: float | None = None
+    cpu_count: int | None = None
     # why no speed-up against the reference was taken ("" when one was, or nothing was timed)
     speed_not_taken: str = ""
     # why its throughput says nothing of its format's speed: the machine it trained on emulates the format (fp16 on
@@ -240,6 +245,13 @@ def smoothing_window(n: int) -> int:
 
 def finite(values: np.ndarray) -> np.ndarray:
     return values[np.isfinite(values)]
+
+
+def _number(value: Any) -> float | None:
+    """A finite number of summary.json, or None (absent, null, not a number)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return float(value)
 
 
 def _memory(memory: pd.DataFrame) -> dict[str, int]:
@@ -400,6 +412,8 @@ def read_run(
         tokens_per_s_basis=str(tp["tokens_per_s_basis"]),
         tokens_per_s_steps=int(tp["tokens_per_s_steps"]),
         step_time_spread=float(tp["step_time_spread"]),
+        other_cpu_cores=_number(final_block.get("other_cpu_cores")),
+        cpu_count=int(n) if (n := _number(final_block.get("cpu_count"))) else None,
         speedup=None,
         skipped_steps=int(steps[T.SKIPPED].astype(bool).sum()) if not steps.empty else 0,
         first_nonfinite_step=int(given[T.STEP].iloc[bad[0]]) if len(bad) else None,
