@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 
 import pytest
 import torch
+from scenarios import norm_overflow
 from scenarios.loop import backward_and_step, keep_in_fp32
 from torch import nn
 
 from precprof import tables as T
 from precprof.analysis.advisor import AdvisorConfig, Recommendation, recommend
 from precprof.capture import Profiler
+from precprof.training import TrainConfig, train
 
 
 def _train(
@@ -297,3 +300,99 @@ def test_a_norm_whose_fp16_square_overflows_is_critical_and_names_the_square() -
         after, _ = _train(fixed, _rows, _mse)
     assert all(int((y == 0).sum()) == 0 for y in after_seen["norm"])
     assert after.finding("fp16_norm_overflow") is None
+
+
+def _train_lm(out: Path, fp32_norm: bool) -> Recommendation:
+    """scenarios/norm_overflow's LM (an embedding of std 300, a hand-written RMSNorm) trained 4 steps fp16-pure by
+    the built-in loop on the CPU, as ``precprof train -m norm_overflow.py:factory -p fp16-pure`` does: its
+    dynamic GradScaler starts at 2^16 and backs off on the steps whose gradients overflow."""
+    train(
+        TrainConfig(
+            model=f"{norm_overflow.__file__}:factory",
+            model_args={"d": 32, "fp32_norm": fp32_norm},
+            precision="fp16-pure",
+            device="cpu",
+            steps=4,
+            batch_size=2,
+            seq_len=16,
+            sample_every=1,
+            out=out,
+            progress=False,
+            report=not fp32_norm,
+        )
+    )
+    return Recommendation.from_dict(T.read_summary(out)[T.SUMMARY_RECOMMENDATION])
+
+
+def test_the_zeros_of_a_norms_fp16_overflow_are_told_as_its_own_and_not_as_underflow(
+    tmp_path: Path, one_thread: None
+) -> None:
+    """tester t5's run: a tiny LM whose embedding (std 300) feeds a naive fp16 RMSNorm, fp16-pure. The norm's
+    x.pow(2) overflows and zeroes its whole output (fp16_norm_overflow, right), but the other findings misread its
+    consequences: fp16_gradient_underflow called emb's gradient, zero because x * rsqrt(inf) has a zero
+    derivative, fp16 underflow and told the user to start GradScaler at a larger init_scale, which changes nothing
+    (the test's own backward at 2^16 and 2^24 proves it); no_gradient said of norm and up that what zeroed their
+    gradients the run does not tell, and left out emb, whose nan on the step the scaler skipped read as a
+    gradient. fp16_norm_overflow leads the findings now; fp16_gradient_underflow leaves emb's zeros out, says
+    whose they are and prescribes no loss scale for them; no_gradient names the norm's overflow for emb, norm and
+    up; the verdict box points to fp16_norm_overflow, and an fp16 verdict starts with it."""
+    # the truth, from the model itself: no loss scale gives emb or norm's weight a finite nonzero gradient
+    torch.manual_seed(0)
+    model = norm_overflow.factory(d=32).half()
+    ids = torch.randint(0, 256, (2, 16))
+    for k in (16, 24):
+        model.zero_grad()
+        logits = model(ids)
+        (torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), ids.flatten()) * 2.0**k).backward()
+        assert bool((model.norm(model.emb(ids)) == 0).all())
+        for p in (model.emb.weight, model.norm.weight, model.up.weight):
+            assert p.grad is not None and not bool((torch.isfinite(p.grad) & (p.grad != 0)).any())
+
+    out = tmp_path / "naive"
+    rec = _train_lm(out, fp32_norm=False)
+    assert rec.findings[0].code == "fp16_norm_overflow" and rec.findings[0].numbers["share"] == 1.0
+
+    tables = T.read_tables(out)
+    layers, steps = tables["layers"], tables["steps"]
+    skipped = {int(s) for s in steps[steps[T.SKIPPED].astype(bool)][T.STEP]}
+    emb = layers[(layers[T.MODULE] == "emb") & (layers[T.TENSOR] == T.ACTIVATION_GRAD)]
+    emb_zeros = int(emb.loc[~emb[T.STEP].isin(skipped), T.ZEROS].sum())
+    assert skipped and emb_zeros == int(emb.loc[~emb[T.STEP].isin(skipped), T.NUMEL].sum()) > 0
+    under = rec.finding("fp16_gradient_underflow")
+    assert under is not None and under.severity == "info" and not under.numbers["fp16_flushed"]
+    assert under.numbers["norm_overflow_left_out"] == 1 and under.numbers["norm_overflow_zeros"] == emb_zeros
+    assert under.message.startswith(
+        f"The activation gradients of emb held no nonzero value ({emb_zeros:,} exact zeros), and not for "
+        "underflow: norm's x.pow(2) overflowed fp16 (fp16_norm_overflow)"
+    )
+    assert "emb received no gradient" not in under.remedy and "Scale the loss" not in under.remedy
+    assert under.remedy.endswith(
+        "The zeros of emb are no underflow: computing norm in fp32 (fp16_norm_overflow) removes them."
+    )
+
+    dead = rec.finding("no_gradient")
+    assert dead is not None and dead.modules == ["emb", "norm", "up"]
+    assert dead.title == "No gradient reached the weights of 3 of 5 layers: norm's x.pow(2) overflowed fp16"
+    assert "The x.pow(2) of norm overflowed fp16 and zeroed its output (fp16_norm_overflow)" in dead.message
+    assert "up reads that output" in dead.message and "the output gradient of emb came back through norm" in (
+        dead.message
+    )
+    assert "the run does not tell" not in dead.message and dead.remedy.startswith("Compute norm in fp32")
+    html = (out / T.REPORT_FILE).read_text()
+    assert "the x.pow(2) of norm overflowed fp16 and zeroed its output" in html
+    assert "see the critical finding fp16_norm_overflow, then no_gradient" in html
+    # on fp16 hardware the verdict's first words on fp16 are the norm's
+    v100 = recommend(out, hardware="v100", config=AdvisorConfig(small_model_params=0))
+    assert v100.format == "fp16"
+    assert v100.reasons[1].startswith(
+        "First compute norm in fp32 (x.float() before the square): norm's x.pow(2)"
+    )
+
+    # the control: the norm on x.float(), as Llama's: none of these findings, and the loss-scale advice is the
+    # exponent histograms' (real underflow), with nothing flushed and no norm in it
+    fixed = _train_lm(tmp_path / "fp32-norm", fp32_norm=True)
+    assert fixed.finding("fp16_norm_overflow") is None and fixed.finding("no_gradient") is None
+    under = fixed.finding("fp16_gradient_underflow")
+    assert under is not None and under.severity == "info" and not under.numbers["fp16_flushed"]
+    assert "norm_overflow_left_out" not in under.numbers and "fp16_norm_overflow" not in under.message
+    assert under.remedy.startswith("Nothing to fix")

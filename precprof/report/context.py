@@ -204,7 +204,17 @@ def _no_gradient(found: Mapping[str, Any]) -> dict[str, Any]:
     their gradients, and whether no layer got one (the format then rests on no gradient at all)."""
     nums = found.get("numbers") or {}
     n, of = int(nums.get("no_gradient_layers") or 0), int(nums.get("weight_gradient_layers") or 0)
-    return {"layers": n, "of": of, "fp8": bool(nums.get("fp8_flushed_layers")), "all": n >= of > 0}
+    # the norms whose fp16 x.pow(2) overflowed and starved every one of them (fp16_norm_overflow), named: the box
+    # points to that finding, the cause, before no_gradient
+    norm = nums.get("fp16_norm_overflow_norms")
+    by_norm = isinstance(norm, str) and int(nums.get("fp16_norm_overflow_layers") or 0) == n
+    return {
+        "layers": n,
+        "of": of,
+        "fp8": bool(nums.get("fp8_flushed_layers")),
+        "all": n >= of > 0,
+        "norm": norm if by_norm else None,
+    }
 
 
 def _scale_unmeasured(rec: Mapping[str, Any]) -> bool:

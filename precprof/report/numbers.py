@@ -167,6 +167,11 @@ LABELS: dict[Any, tuple[str, str] | None] = {
     "bias_dropped_absmax": ("largest |bias| among them", "number"),
     "bias_dropped_own_forward": ("of them, with a forward of their own (not run)", "count"),
     "fp8_output_gradient_max": ("largest output gradient the FP8 cast flushed whole", "magnitude"),
+    # what a norm's fp16 overflow (fp16_norm_overflow) did to the gradients
+    "fp16_norm_overflow_layers": ("of them, starved by a norm's fp16 overflow", "count"),
+    "fp16_norm_overflow_norms": ("the norms whose fp16 x.pow(2) overflowed", "text"),
+    "norm_overflow_left_out": ("modules left out: a norm's fp16 overflow zeroed their gradients", "count"),
+    "norm_overflow_zeros": ("their zeros, left out (the norm's, not underflow)", "count"),
     "first_ok_scale": ("scale of the first step that went through", "scale"),
     "recommended_scale": ("recommended initial loss scale", "scale"),
     "start_scale_limit": (

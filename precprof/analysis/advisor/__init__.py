@@ -51,7 +51,7 @@ from precprof.analysis.advisor.rules.clipping import _rule_scaled_clipping
 from precprof.analysis.advisor.rules.float64 import _rule_float64
 from precprof.analysis.advisor.rules.fp8 import _rule_fp8
 from precprof.analysis.advisor.rules.fp16 import _rule_fp16_activations, _rule_loss_scale
-from precprof.analysis.advisor.rules.fp32_ops import _rule_fp32_ops
+from precprof.analysis.advisor.rules.fp32_ops import _rule_fp16_norm_square, _rule_fp32_ops
 from precprof.analysis.advisor.rules.hardware import _rule_hardware, _rule_small_model
 from precprof.analysis.advisor.rules.no_gradient import _rule_no_gradient
 from precprof.analysis.advisor.rules.nonfinite import _rule_diverged, _rule_nonfinite
@@ -190,6 +190,9 @@ def recommend(
     _rule_mixed_precision_active(run, plan)
     _rule_float64(run, plan)
     _rule_experts_fp32(run, plan)
+    # the norm whose fp16 square overflowed first: its zeros are what the gradient findings after it read, and the
+    # finding of their cause leads theirs (fp16_gradient_underflow leaves its zeros out, no_gradient names it)
+    _rule_fp16_norm_square(run, plan)
     _rule_fp16_activations(run, plan)
     _rule_loss_scale(run, plan, fwd_bad)
     _rule_scaled_clipping(run, plan)

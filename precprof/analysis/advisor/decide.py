@@ -305,6 +305,18 @@ def _decide(run: _Run, plan: _Plan) -> Recommendation:
                 else ", so fp32 is the safe choice."
             )
         )
+    if fmt == "fp16" and plan.fp16_norm_overflow:
+        # the root cause first: until the norm computes in fp32, the gradients the scale below is sized on are not
+        # those of a model that trains (the layers its zeros starved learned nothing)
+        norms = run.sort(plan.fp16_norm_overflow)
+        reasons.append(
+            f"First compute {_listing(norms, cfg.max_listed_modules)} in fp32 (x.float() before the square): "
+            + "; ".join(
+                f"{_name(m)}'s x.pow(2) overflowed fp16 and zeroed {_pct(plan.fp16_norm_overflow[m])} of its output"
+                for m in norms[: cfg.max_listed_modules]
+            )
+            + " (fp16_norm_overflow), and the layers those zeros starved did not learn; profile again after."
+        )
     if fmt == "fp16":
         gm = plan.grad_absmax
         reasons.append(

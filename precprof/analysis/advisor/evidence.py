@@ -568,6 +568,12 @@ class _Plan:
     # the recorded modules whose backward writes zeros (a ReLU, a dropout) after the fp16 activation gradients
     # whose zeros fp16_gradient_underflow does not count: none, and a mask there is a function precprof does not see
     fp16_masks: list[str] = field(default_factory=list)
+    # norms whose fp16 x.pow(2) overflowed (fp16_norm_overflow) -> the share of their output values that were 0
+    fp16_norm_overflow: dict[str, float] = field(default_factory=dict)
+    # modules recorded before such a norm whose fp16 activation gradients held no nonzero value, as many zeros as
+    # the norm's zeroed output accounts for (its backward passes back 0 through a row it zeroed) -> the norm:
+    # no loss scale changes those zeros, and fp16_gradient_underflow does not count them as flushes
+    fp16_norm_starved: dict[str, str] = field(default_factory=dict)
     # matmul layers the run kept in fp32 under autocast: those fp16 still needs there (in keep_fp16 too), and those
     # whose values fit fp16 (rules/kept)
     kept_fp32: list[str] = field(default_factory=list)

@@ -1599,7 +1599,12 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan, kept: KeptGradients) -> None:
     nz_now = _nonzero(not16)
     now = _share(float(not16[T.underflow_col("fp16")].sum()), nz_now)
     is16 = ag[_dtype_has(ag, "float16")]
-    zero16 = _share(float(is16[T.ZEROS].sum()), float(is16[T.NUMEL].sum()))
+    # the fp16 activation gradients a norm's overflow zeroed (fp16_norm_overflow: the backward of a row it zeroed
+    # passes back 0 to the modules before it) are no underflow, and no loss scale changes them: their zeros are
+    # left out of the flushed evidence and of the share of zeros, and said apart
+    starved = [m for m in run.sort(plan.fp16_norm_starved) if m in set(T.texts(is16[T.MODULE]))]
+    own16 = is16[~T.texts(is16[T.MODULE]).isin(starved).to_numpy()]
+    zero16 = _share(float(own16[T.ZEROS].sum()), float(own16[T.NUMEL].sum()))
     scales = sorted({float(s) for s in not16[T.SCALE].unique()})
     sure1, _ = _shifted_underflow(counts, FP16, 0)
     sure_k, boundary_k = _shifted_underflow(counts, FP16, k)
@@ -1656,7 +1661,9 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan, kept: KeptGradients) -> None:
         else "the activation gradients were already fp16, so their flushed values are indistinguishable from zeros"
     )
     if zero16 is not None:
-        now_txt += f"; fp16 activation gradients in this run are {_pct(zero16)} zeros"
+        now_txt += f"; fp16 activation gradients in this run are {_pct(zero16)} zeros" + (
+            f" (those of {_listing(starved, cfg.max_listed_modules)} left out)" if starved else ""
+        )
     msg = (
         f"{now_txt[0].upper()}{now_txt[1:]}. From the exponent histograms ({int(total):,} nonzero values"
         + (
@@ -1695,8 +1702,8 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan, kept: KeptGradients) -> None:
     # zero. Many zeros in modules whose gradients run into the floor (``_flushed_modules``), or a module that
     # received no nonzero gradient at all, are the evidence.
     # every value zero: nothing reached fp16's range at all (the worst case, with no smallest value to show)
-    all_zero16 = not is16.empty and float(is16[T.ZEROS].sum()) == float(is16[T.NUMEL].sum()) > 0
-    fl = _flushed_modules(run, is16)
+    all_zero16 = not own16.empty and float(own16[T.ZEROS].sum()) == float(own16[T.NUMEL].sum()) > 0
+    fl = _flushed_modules(run, own16)
     flushed = (fl.share or 0) > cfg.fp16_flushed_zero_share or bool(fl.empty) or fl.masked_only
     plan.fp16_masks = fl.masks
     scaled = _had_loss_scale(run, ag)
@@ -1706,7 +1713,7 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan, kept: KeptGradients) -> None:
     # with more than a negligible share of zeros where a zero can only be a flush, sit among fp16's subnormals and
     # lose a few percent there (an unscaled run's are fp16_no_loss_scaling's): a warning, not "Nothing to fix"
     thin = not flushed and scaled and bool(fl.modules) and (fl.share or 0) > cfg.fp16_underflow_ok
-    sub = _subnormal_share(run, is16, fl.modules) if thin else None
+    sub = _subnormal_share(run, own16, fl.modules) if thin else None
     loss_change = _loss_change(run)
     stalled = _stalled(run, loss_change)
     method = ""
@@ -1818,6 +1825,13 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan, kept: KeptGradients) -> None:
     else:
         severity = INFO
         remedy = f"Nothing to fix; GradScaler(init_scale={_scale(k)}) keeps it at {_pct(atk)}."
+    if starved:
+        norms = run.sort({plan.fp16_norm_starved[m] for m in starved})
+        msg = _starved_said(run, own16, is16, starved, norms) + msg
+        remedy += (
+            f" The zeros of {_listing(starved, cfg.max_listed_modules)} are no underflow: computing "
+            f"{_listing(norms, cfg.max_listed_modules)} in fp32 (fp16_norm_overflow) removes them."
+        )
     by_mod = totals
     worst: list[str] = []
     if not by_mod.empty and atk:
@@ -1872,6 +1886,14 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan, kept: KeptGradients) -> None:
                 **({"fp16_subnormal_share": sub} if thin else {}),
                 **({"skipped_steps_left_out": left_out} if left_out else {}),
                 **({"kept_fp32_left_out": len(kept.modules)} if kept.left_out else {}),
+                **(
+                    {
+                        "norm_overflow_left_out": len(starved),
+                        "norm_overflow_zeros": int(is16.loc[~is16.index.isin(own16.index), T.ZEROS].sum()),
+                    }
+                    if starved
+                    else {}
+                ),
                 "loss_change": loss_change,
                 # exact at the run's scale, or bounded (``_flushed_at_scale``): then the bounds, not one share
                 "share_at_run_scale": at_run if at_run == at_run_hi else None,
@@ -1890,6 +1912,23 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan, kept: KeptGradients) -> None:
                 "max_norm_share_module": norm_mod,
             },
         )
+    )
+
+
+def _starved_said(
+    run: _Run, own16: pd.DataFrame, is16: pd.DataFrame, starved: list[str], norms: list[str]
+) -> str:
+    """The sentence that opens fp16_gradient_underflow where a norm's overflow zeroed the fp16 activation gradients
+    of ``starved`` (``_Plan.fp16_norm_starved``; ``is16`` the fp16 rows, ``own16`` those without theirs): their
+    zeros are left out of what fp16 flushed, and why."""
+    lim = run.cfg.max_listed_modules
+    theirs = is16[~is16.index.isin(own16.index)]
+    it = "its" if len(norms) == 1 else "their"
+    return (
+        f"The activation gradients of {_listing(starved, lim)} held no nonzero value "
+        f"({int(theirs[T.ZEROS].sum()):,} exact zeros), and not for underflow: {_listing(norms, lim)}'s x.pow(2) "
+        f"overflowed fp16 (fp16_norm_overflow) and zeroed {it} output, x * rsqrt(inf) = 0, whose backward passes "
+        "back 0 to the modules before it at any loss scale; they are left out of what follows. "
     )
 
 

@@ -77,6 +77,9 @@ def _rule_fp16_norm_square(run: _Run, plan: _Plan) -> None:
         if not big:
             continue
         share = float(rows[T.ZEROS].sum()) / n
+        plan.fp16_norm_overflow[m] = share
+        for s in _starved(run, m, share):
+            plan.fp16_norm_starved.setdefault(s, m)
         plan.add(
             Finding(
                 "fp16_norm_overflow",
@@ -105,8 +108,33 @@ def _rule_fp16_norm_square(run: _Run, plan: _Plan) -> None:
         )
 
 
+def _starved(run: _Run, norm: str, share: float) -> list[str]:
+    """The modules recorded before ``norm`` (forward order) whose fp16 activation gradients held no nonzero value,
+    with no larger a share of zeros than the ``share`` of ``norm``'s output its overflow zeroed: the backward of a
+    row x * rsqrt(inf) = 0 is 0 (rsqrt's backward is -0.5 * rsqrt(v)^3 = 0), so what flows back to them through
+    ``norm`` is 0 there, whatever the loss scale. A module that held nonzero values got a gradient by another
+    path (a residual), and a zero share above the norm's is more than its zeros account for: neither is said to
+    be the norm's."""
+    ag = run.kind(T.ACTIVATION_GRAD)
+    if ag.empty or norm not in run.order:
+        return []
+    names = T.texts(ag[T.MODULE]).astype(object)
+    fp16 = _dtype_has(ag, "float16").groupby(names.to_numpy()).all()
+    per = ag.groupby(names.to_numpy())[[T.ZEROS, T.NUMEL, T.NAN, T.INF]].sum()
+    nonzero = per[T.NUMEL] - per[T.ZEROS] - per[T.NAN] - per[T.INF]
+    at = run.order[norm]
+    return run.sort(
+        str(m)
+        for m in per.index
+        if run.order.get(str(m), at) < at
+        and bool(fp16.get(m, False))
+        and per.at[m, T.ZEROS] > 0
+        and nonzero[m] <= 0
+        and per.at[m, T.ZEROS] <= share * per.at[m, T.NUMEL]
+    )
+
+
 def _rule_fp32_ops(run: _Run, plan: _Plan) -> None:
-    _rule_fp16_norm_square(run, plan)
     capture = run.summary.get(T.SUMMARY_CAPTURE) or {}
     autocast = bool(run.autocast.get("enabled"))
     device = str(run.autocast.get("device_type") or "")

@@ -27,6 +27,7 @@ from precprof.analysis.advisor.evidence import (
     _innermost,
     _Plan,
     _Run,
+    _skipped_steps,
 )
 from precprof.analysis.advisor.model import CRITICAL, WARNING, Finding
 from precprof.analysis.advisor.rules.fp8 import gemm_inputs
@@ -43,6 +44,8 @@ class _Dead:
     steps: int  # the sampled steps with weight gradients
     recorded: dict[str, int]  # per one of ``layers``, the sampled steps that recorded its weight gradient
     optimizer_steps: int  # the sampled steps the optimizer stepped on with a nonzero learning rate
+    # the sampled steps the loss scaler skipped on which one of ``layers`` held nan or inf beside its zeros
+    skipped_nonfinite: int = 0
 
     @property
     def fewest(self) -> int:
@@ -80,8 +83,13 @@ def _dead_layers(run: _Run) -> _Dead | None:
     if wg.empty or not stepped:
         return None
     rows = wg.assign(**{T.MODULE: T.texts(wg[T.MODULE]).astype(object)})
-    per = rows.groupby([T.MODULE, T.STEP])[[T.NUMEL, T.ZEROS]].sum()
-    zero = ((per[T.NUMEL] > 0) & (per[T.ZEROS] >= per[T.NUMEL])).groupby(level=0)
+    per = rows.groupby([T.MODULE, T.STEP])[[T.NUMEL, T.ZEROS, T.NAN, T.INF]].sum()
+    # on a step the loss scaler skipped, the gradients went inf or nan and were thrown away: a layer whose gradient
+    # held no finite nonzero value there got none either (a zero gradient times an inf is a nan: an embedding
+    # behind a norm whose fp16 square overflowed read 'not dead' for the nan of the one step skipped)
+    skipped = per.index.get_level_values(T.STEP).isin(sorted(_skipped_steps(run.steps)))
+    held = per[T.ZEROS] + ((per[T.NAN] + per[T.INF]) * skipped)
+    zero = ((per[T.NUMEL] > 0) & (held >= per[T.NUMEL])).groupby(level=0)
     every, steps = zero.all(), zero.size()
     # (zero on a step after the weights moved: the gradient did not come back once they had)
     every &= rows.groupby(T.MODULE)[T.STEP].max()[every.index] > stepped[0]
@@ -89,7 +97,9 @@ def _dead_layers(run: _Run) -> _Dead | None:
     if not dead:
         return None
     recorded = {m: int(steps[m]) for m in dead}
-    return _Dead(dead, len(every), int(rows[T.STEP].nunique()), recorded, len(stepped))
+    nonfinite = per[skipped & (per[T.NAN] + per[T.INF] > 0).to_numpy()]
+    odd = nonfinite[nonfinite.index.get_level_values(0).isin(dead)].index.get_level_values(T.STEP).nunique()
+    return _Dead(dead, len(every), int(rows[T.STEP].nunique()), recorded, len(stepped), int(odd))
 
 
 def _moved(run: _Run, layers: list[str]) -> dict[str, tuple[str, int]]:
@@ -429,9 +439,28 @@ class _Causes:
     padding: dict[str, int] = field(default_factory=dict)
     # a gate's full parameter name -> the module holding it
     gates: dict[str, str] = field(default_factory=dict)
+    # a norm whose fp16 x.pow(2) overflowed (fp16_norm_overflow) -> the layers its zeroed output starved: itself
+    # (its weight gradient is its output gradient times its normalised input, 0), those that read that output,
+    # and those before it whose output gradient came back through it as 0 (``_Plan.fp16_norm_starved``)
+    norm: dict[str, list[str]] = field(default_factory=dict)
 
 
-def _causes(run: _Run, dead: list[str], dims: dict[str, dict[str, int]]) -> _Causes:
+def _norm_cause(plan: _Plan, m: str, inputs: Mapping[str, list[str]], grads: pd.DataFrame) -> str | None:
+    """The norm whose fp16 overflow (``plan.fp16_norm_overflow``) starved the dead layer ``m``, or None: ``m`` is
+    that norm, reads its all-zero output (``inputs``), or ran before it and got no nonzero output gradient back
+    through it (``plan.fp16_norm_starved``)."""
+    if m in plan.fp16_norm_overflow:
+        return m
+    read = [src for src in inputs.get(m, []) if src in plan.fp16_norm_overflow]
+    if read:
+        return read[0]
+    norm = plan.fp16_norm_starved.get(m)
+    if norm is not None and m in grads.index and grads.at[m, "nonzero"] <= 0:
+        return norm
+    return None
+
+
+def _causes(run: _Run, dead: list[str], dims: dict[str, dict[str, int]], plan: _Plan) -> _Causes:
     grads = _output_grads(run)
     flushed = _fp8_flushed(run, grads)
     inputs, read = _zero_inputs(run, dead, dims)
@@ -446,7 +475,10 @@ def _causes(run: _Run, dead: list[str], dims: dict[str, dict[str, int]]) -> _Cau
     for m in dead:
         if m in c.fp8:
             continue
-        if m in elements.index and elements[m] <= 0:
+        norm = _norm_cause(plan, m, inputs, grads)
+        if norm is not None:
+            c.norm.setdefault(norm, []).append(m)
+        elif m in elements.index and elements[m] <= 0:
             c.no_tokens.append(m)
         elif m in grads.index and grads.at[m, "nonzero"] <= 0:
             stop = _stop(m, seq, grads)
@@ -666,10 +698,39 @@ def _zero_weight_said(run: _Run, c: _Causes, stop: str, state: str, layers: list
     )
 
 
+def _norm_said(run: _Run, norm: str, layers: list[str]) -> str:
+    """How ``norm``'s fp16 overflow (fp16_norm_overflow) starved ``layers`` of their weight gradients, in words."""
+    lim = run.cfg.max_listed_modules
+    readers = [m for m in layers if m != norm and run.order.get(m, 0) > run.order.get(norm, 0)]
+    before = [m for m in layers if m != norm and m not in readers]
+    parts = []
+    if norm in layers:
+        parts.append(
+            f"{_name(norm)}'s own weight gradient, its output gradient times the normalised input x * rsqrt(inf) = 0, "
+            "was 0"
+        )
+    if readers:
+        parts.append(
+            f"{_listing(readers, lim)} read{'s' if len(readers) == 1 else ''} that output, zero everywhere, and a "
+            "weight gradient is the output gradient times the input"
+        )
+    if before:
+        parts.append(
+            f"the output gradient{'s' if len(before) > 1 else ''} of {_listing(before, lim)} came back through "
+            f"{_name(norm)}, whose backward passes 0 back through a row it zeroed"
+        )
+    return (
+        f"the x.pow(2) of {_name(norm)} overflowed fp16 and zeroed its output (fp16_norm_overflow): "
+        + "; ".join(parts)
+        + ": no loss scale changes that"
+    )
+
+
 def _causes_said(run: _Run, c: _Causes) -> list[str]:
     """A sentence per cause, the FP8 one first."""
     lim = run.cfg.max_listed_modules
     said = [_fp8_said(run, c)] if c.fp8 else []
+    said += [_norm_said(run, norm, ms) for norm, ms in c.norm.items()]
     if c.fp16:
         said.append(
             f"the output gradients of {_listing(c.fp16, lim)} were held in fp16 and were zero everywhere: fp16 "
@@ -740,6 +801,12 @@ def _causes_said(run: _Run, c: _Causes) -> list[str]:
 def _remedy(run: _Run, c: _Causes) -> str:
     """What to do, the FP8 cause first."""
     parts = []
+    if c.norm:
+        parts.append(
+            f"compute {_listing(run.sort(c.norm), run.cfg.max_listed_modules)} in fp32 as fp16_norm_overflow says "
+            "(x.float() before the square, as Llama's RMSNorm does), or train in bf16: the zeros of its overflow "
+            "stopped these gradients"
+        )
     if c.fp8:
         layers = run.sort([*c.fp8, *c.behind_fp8])
         quantized = _quantized(run)
@@ -814,7 +881,7 @@ def _rule_no_gradient(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -
     dead = _dead_layers(run)
     if dead is None:
         return
-    c = _causes(run, dead.layers, dims)
+    c = _causes(run, dead.layers, dims, plan)
     dead = dead.without(c.waiting)
     if dead is None:
         return
@@ -825,14 +892,21 @@ def _rule_no_gradient(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -
         if dead.fewest == dead.steps
         else f"every sampled step that recorded it (at least {dead.fewest} of the {dead.steps} with weight "
         "gradients)"
+    ) + (
+        f" (but for nan or inf beside the zeros on the {dead.skipped_nonfinite} sampled step(s) the loss scaler skipped, whose "
+        "gradients it threw away: no finite nonzero value)"
+        if dead.skipped_nonfinite
+        else ""
     )
     fp8 = len(c.fp8) + len(c.behind_fp8)
+    by_norm = sum(len(ms) for ms in c.norm.values())
     plan.add(
         Finding(
             "no_gradient",
             WARNING if behind_idle == n else CRITICAL,
             f"No gradient reached the weights of {n} of {dead.checked} layers"
             + (": FP8 flushed it" if fp8 else "")
+            + (f": {_listing(run.sort(c.norm), lim)}'s x.pow(2) overflowed fp16" if by_norm == n else "")
             + (": a weight of zeros stopped it" if behind_idle == n else ""),
             f"Every weight-gradient value of {n} layer(s) ({_listing(dead.layers, lim)}) was an exact zero on "
             f"{steps}, while the optimizer stepped on {dead.optimizer_steps} sampled step(s) with a nonzero learning "
@@ -849,6 +923,9 @@ def _rule_no_gradient(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -
                 "optimizer_steps_sampled": dead.optimizer_steps,
                 "fp8_flushed_layers": fp8,
                 "fp8_output_gradient_max": max(c.fp8.values()) if c.fp8 else None,
+                "fp16_norm_overflow_layers": by_norm,
+                # the norms whose overflow starved them, for the verdict box
+                **({"fp16_norm_overflow_norms": _listing(run.sort(c.norm), lim)} if c.norm else {}),
             },
         )
     )
