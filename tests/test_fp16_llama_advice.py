@@ -302,7 +302,7 @@ def test_a_norm_whose_fp16_square_overflows_is_critical_and_names_the_square() -
     assert after.finding("fp16_norm_overflow") is None
 
 
-def _train_lm(out: Path, fp32_norm: bool) -> Recommendation:
+def _train_lm(out: Path, fp32_norm: bool, loss_scale: str = "auto") -> Recommendation:
     """scenarios/norm_overflow's LM (an embedding of std 300, a hand-written RMSNorm) trained 4 steps fp16-pure by
     the built-in loop on the CPU, as ``precprof train -m norm_overflow.py:factory -p fp16-pure`` does: its
     dynamic GradScaler starts at 2^16 and backs off on the steps whose gradients overflow."""
@@ -311,6 +311,7 @@ def _train_lm(out: Path, fp32_norm: bool) -> Recommendation:
             model=f"{norm_overflow.__file__}:factory",
             model_args={"d": 32, "fp32_norm": fp32_norm},
             precision="fp16-pure",
+            loss_scale=loss_scale,
             device="cpu",
             steps=4,
             batch_size=2,
@@ -318,7 +319,7 @@ def _train_lm(out: Path, fp32_norm: bool) -> Recommendation:
             sample_every=1,
             out=out,
             progress=False,
-            report=not fp32_norm,
+            report=not fp32_norm and loss_scale == "auto",
         )
     )
     return Recommendation.from_dict(T.read_summary(out)[T.SUMMARY_RECOMMENDATION])
@@ -396,3 +397,26 @@ def test_the_zeros_of_a_norms_fp16_overflow_are_told_as_its_own_and_not_as_under
     assert under is not None and under.severity == "info" and not under.numbers["fp16_flushed"]
     assert "norm_overflow_left_out" not in under.numbers and "fp16_norm_overflow" not in under.message
     assert under.remedy.startswith("Nothing to fix")
+
+
+def test_an_unscaled_fp16_run_leaves_a_norms_zeros_out_of_its_share_of_zeros(
+    tmp_path: Path, one_thread: None
+) -> None:
+    """The same LM, fp16-pure without a loss scaler: fp16_no_loss_scaling gave the share of zeros among the fp16
+    activation gradients, "the flushed ones among them", with emb's in it, which the norm's overflow made, not
+    fp16's floor. It leaves them out now and says whose they are, as fp16_gradient_underflow does."""
+    out = tmp_path / "unscaled"
+    rec = _train_lm(out, fp32_norm=False, loss_scale="none")
+    assert rec.findings[0].code == "fp16_norm_overflow"
+    ag = T.read_tables(out)["layers"]
+    ag = ag[(ag[T.TENSOR] == T.ACTIVATION_GRAD) & (ag[T.MODULE] != "emb")]
+    unscaled = rec.finding("fp16_no_loss_scaling")
+    assert unscaled is not None
+    assert unscaled.numbers["fp16_zero_share"] == pytest.approx(ag[T.ZEROS].sum() / ag[T.NUMEL].sum())
+    assert (
+        "the flushed ones among them; those of emb, zero for the overflow of norm's x.pow(2) (fp16_norm_overflow), "
+        "left out)" in unscaled.message
+    )
+    under = rec.finding("fp16_gradient_underflow")
+    assert under is not None and under.numbers["norm_overflow_left_out"] == 1
+    assert under.message.startswith("The activation gradients of emb held no nonzero value")

@@ -1985,7 +1985,17 @@ def _rule_fp16_no_loss_scaling(run: _Run, plan: _Plan) -> None:
     floor = (_at_fp16_floor(run, is16).reindex(per.index, fill_value=0.0) / nonzero[nonzero > 0]).dropna()
     dense = floor[floor > cfg.fp16_flushed_floor_share].sort_values(ascending=False)
     mods = [str(m) for m in dense.index]
-    zeros = _share(float(per[T.ZEROS].sum()), float(per[T.NUMEL].sum()))
+    # the zeros of the modules a norm's fp16 overflow starved are its (fp16_norm_overflow), none of them flushed
+    starved = [m for m in run.sort(plan.fp16_norm_starved) if m in per.index]
+    own = per.drop(index=starved)
+    zeros = _share(float(own[T.ZEROS].sum()), float(own[T.NUMEL].sum()))
+    left_out = (
+        f"; those of {_listing(starved, cfg.max_listed_modules)}, zero for the overflow of "
+        f"{_listing(run.sort({plan.fp16_norm_starved[m] for m in starved}), cfg.max_listed_modules)}'s x.pow(2) "
+        "(fp16_norm_overflow), left out"
+        if starved
+        else ""
+    )
     plan.add(
         Finding(
             "fp16_no_loss_scaling",
@@ -1996,7 +2006,7 @@ def _rule_fp16_no_loss_scaling(run: _Run, plan: _Plan) -> None:
             f"This run trained in fp16 and scaled no loss ({how}). Its activation gradients were computed in fp16 "
             "at scale 1, where every value at or below 2^-25 becomes a zero as it is computed, before precprof reads "
             f"it; a flushed value is a zero like a true one, so no count says how many ({_pct(zeros)} of these "
-            f"values are zeros, the flushed ones among them). {_floor_said(cfg, dense, floor)}",
+            f"values are zeros, the flushed ones among them{left_out}). {_floor_said(cfg, dense, floor)}",
             _no_scaling_remedy(run, plan, own_loop=how.startswith("precprof")),
             modules=run.sort(mods),
             numbers={
