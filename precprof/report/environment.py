@@ -52,7 +52,7 @@ _CAPTURE_SAID = _keys(
     "model_changes "
     "distributed eval_forwards_ignored checkpointed_forwards weight_grads_unread_steps weight_grads_unread_modules "
     "self_call_forwards_unread scaler_from output_head mixed_precision_asked_as step_passes "
-    "trainable_not_in_optimizer trainable_in_optimizer_not_given"
+    "trainable_not_in_optimizer trainable_in_optimizer_not_given machine_load"
 )
 _HARDWARE_SAID = _keys(
     "device name compute_capability bf16_supported bf16_native fp16_native fp16_tensor_cores tf32_supported "
