@@ -54,6 +54,16 @@ def scaler_scale_tensor(scaler: Any) -> torch.Tensor | None:
     return scale if isinstance(scale, torch.Tensor) and scaler_enabled(scaler) else None
 
 
+def scaler_scale_now(scaler: Any) -> torch.Tensor | float | None:
+    """The scale the scaler's next ``scale()`` multiplies by, without a sync: its device tensor, or before its first
+    ``scale()`` call (which makes that tensor) its ``init_scale``; None for a disabled scaler or one that does not say."""
+    scale = scaler_scale_tensor(scaler)
+    if scale is not None:
+        return scale
+    init = getattr(scaler, "_init_scale", None)
+    return float(init) if isinstance(init, (int, float)) and scaler_enabled(scaler) else None
+
+
 def scaler_found_inf(scaler: Any, optimizers: Sequence[Any] | None = None) -> list[torch.Tensor] | None:
     """The found-inf flags ``unscale_`` left per optimizer and device (what ``step()`` skips each optimizer's step
     on), before ``update()`` clears them: of every optimizer the scaler holds, or of ``optimizers`` only (None

@@ -22,6 +22,7 @@ from precprof.capture.memory_tracker import MemoryTracker
 from precprof.capture.plan import CapturePlan, ModuleFilter
 from precprof.capture.reducer import RankReducer
 from precprof.capture.sampling import Sampler
+from precprof.capture.scaled_passes import ScaledPasses
 from precprof.capture.scaler import ScalerWatch
 from precprof.capture.updates import UpdateSampler
 
@@ -108,12 +109,16 @@ class PartsAssembly:
         )
         if self.scaler is not None and hasattr(self.scaler, "update"):
             hooks = self._hooks
+            hooks.passes = ScaledPasses(
+                self.scaler, lambda: hooks.installed
+            )  # (gradients at scale 1 told apart)
             self._scaler_watch = ScalerWatch(
                 self.scaler,
                 self._device,
                 lambda: self._attached,
                 optimizers=self.optimizers,
                 unscaling=hooks.scaler_unscaling,
+                scaling=hooks.passes.scaled,
             )
             self._scaler_watch.patch()
         if self.memory_enabled:

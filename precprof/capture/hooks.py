@@ -82,6 +82,7 @@ from precprof.capture.records import (
     dtype_bit,
     input_keyword,
 )
+from precprof.capture.scaled_passes import ScaledPasses
 from precprof.capture.training_forward import _FIRST_PASS, TrainingForward, fused_inside
 from precprof.capture.updates import UpdateSampler
 
@@ -225,6 +226,7 @@ class StepHooks(TrainingForward, GradientReads, GemmInputs, StepAttempts, Output
         # whether the run scales its loss (a GradScaler, a manual ``loss_scale``): a gradient no hook read is then
         # unscaled by the time the optimizer's hooks see it (``_unread_grads``)
         self._scaled = scaled
+        self.passes: ScaledPasses | None = None  # under a GradScaler, its scaled backward passes (assembly)
         self.eval_forwards = 0  # module forwards in eval mode with grad on, not read (over the run)
         self.checkpointed_forwards = 0  # module forwards an activation checkpoint ran twice (over the run)
         self.self_call_forwards = (
@@ -254,6 +256,8 @@ class StepHooks(TrainingForward, GradientReads, GemmInputs, StepAttempts, Output
         self._step_mode, self._first_in_eval = None, False
         self._attempts.begin_step()
         self.loop.begin()
+        if self.passes is not None:
+            self.passes.begin_step()
         self.installed = True
         if self._hookset.installed:  # kept from the sampled step before (``pause``)
             if not self._outside:
@@ -558,6 +562,8 @@ class StepHooks(TrainingForward, GradientReads, GemmInputs, StepAttempts, Output
             ):  # the pass's first: its end is watched (a pass that raised is forgotten)
                 attempts.backward_seen()
             x = g if type(g) is _Tensor and not g.is_nested else _readable(g)
+            if owner.passes is not None and x.dtype not in _COMPLEX:
+                x = owner.passes.as_read(x)  # (a pass at scale 1, read as if at the step's scale)
             if x.dtype in _COMPLEX:  # a complex output's: skipped and counted, as the output was
                 owner.buffer.accumulate(x, row)
             elif owner._add(x, row):

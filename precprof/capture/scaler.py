@@ -14,7 +14,7 @@ from precprof import _compat
 from precprof import stats as st
 
 # the scaler's attributes ``ScalerWatch.patch`` sets on the instance
-_PATCHED = ("update", "unscale_", "__getstate__")
+_PATCHED = ("update", "unscale_", "scale", "__getstate__")
 
 
 class _Layer:
@@ -76,9 +76,11 @@ class ScalerWatch:
         active: Callable[[], bool],
         optimizers: Sequence[Any] = (),
         unscaling: Callable[[Any], None] | None = None,
+        scaling: Callable[[Any], None] | None = None,
     ) -> None:
         self.scaler = scaler
         self._unscaling = unscaling  # told of each ``unscale_(optimizer)`` before it divides the gradients
+        self._scaling = scaling  # told of what each ``scale(loss)`` returns (``capture/scaled_passes.py``)
         self._device = device
         self._active = active
         self._optimizers = list(optimizers) or None
@@ -102,6 +104,8 @@ class ScalerWatch:
         self._layers.append(("update", _layer(self.scaler, "update", self._update)))
         if self._unscaling is not None and callable(getattr(self.scaler, "unscale_", None)):
             self._layers.append(("unscale_", _layer(self.scaler, "unscale_", self._unscale)))
+        if self._scaling is not None and callable(getattr(self.scaler, "scale", None)):
+            self._layers.append(("scale", _layer(self.scaler, "scale", self._scale_loss)))
         if getattr(self.scaler, "__getstate__", None) is not None:
             # a copy or a pickle of the scaler (copy.deepcopy, torch.save(scaler)) leaves the wrappers behind and
             # has the class's own update: a wrapper's watch does not pickle, and a deep copy's update ran the
@@ -121,6 +125,12 @@ class ScalerWatch:
         if self._unscaling is not None and self._active() and _compat.scaler_enabled(self.scaler):
             self._unscaling(optimizer)
         return original(optimizer)
+
+    def _scale_loss(self, original: Callable[..., Any], outputs: Any, *args: Any, **kwargs: Any) -> Any:
+        out = original(outputs, *args, **kwargs)
+        if self._scaling is not None and self._active() and _compat.scaler_enabled(self.scaler):
+            self._scaling(out)
+        return out
 
     def _before_update(self) -> None:
         if not self._active() or not _compat.scaler_enabled(self.scaler):
