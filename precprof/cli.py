@@ -132,9 +132,10 @@ def _tell(text: str) -> None:
 @contextlib.contextmanager
 def _not_saved() -> Iterator[list[str]]:
     """Collect the RunNotSavedWarnings of what runs inside (what a full disk kept and lost), for the command to
-    print as its own error lines instead of Python's warning lines; other warnings show as usual."""
+    print as its own error lines instead of Python's warning lines; precprof's other warnings show as the
+    command's warning lines (``_own_warning_lines``), others as usual. The warning filters apply as ever."""
     notes: list[str] = []
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), _own_warning_lines():
         shown = warnings.showwarning
 
         def show(message: Any, category: type[Warning], *args: Any, **kwargs: Any) -> None:
@@ -146,6 +147,28 @@ def _not_saved() -> Iterator[list[str]]:
         warnings.showwarning = show
         warnings.simplefilter("always", RunNotSavedWarning)
         yield notes
+
+
+@contextlib.contextmanager
+def _own_warning_lines() -> Iterator[None]:
+    """precprof's own warnings (their text begins "precprof: ") printed as the command's own line, "precprof:
+    warning: ...", as it prints its notes and errors, inside: Python's format made two lines of each, attributed
+    to the command's entry point (``precprof/__main__.py:20: UserWarning`` and its ``run()``), which is no line of
+    the user's (tester t4: the stream's writer killed mid-run). Other warnings (torch's, a model's) keep their
+    source line, and the warning filters apply as ever (``catch_warnings`` does not restore ``formatwarning``)."""
+    before = warnings.formatwarning
+
+    def one_line(message: Any, category: type[Warning], filename: str, lineno: int, line: Any = None) -> str:
+        text = str(message)
+        if text.startswith("precprof: "):
+            return f"precprof: warning: {text.removeprefix('precprof: ')}\n"
+        return before(message, category, filename, lineno, line)
+
+    warnings.formatwarning = one_line
+    try:
+        yield
+    finally:
+        warnings.formatwarning = before
 
 
 def _tidy_params(params: list[Any]) -> list[Any]:

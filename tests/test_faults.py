@@ -668,6 +668,44 @@ def training_started(out: Path) -> bool:
         return False
 
 
+def test_a_stream_that_stops_in_precprof_train_is_one_line_of_its_own(tmp_path: Path) -> None:
+    """Tester t4: a ``precprof train`` whose stream stopped writing (its folder gone under it, as a disk error or
+    a killed writer stops it) printed Python's two warning lines, attributed to ``precprof/__main__.py:20`` and
+    its ``run()``, which is no line of the user's. It is the command's own line now, as its notes and errors are."""
+    out = tmp_path / "run"
+    args = [
+        sys.executable,
+        "-m",
+        "precprof",
+        "train",
+        "--out",
+        str(out),
+        *TINY,
+        "--steps",
+        "40",
+        "--sample-every",
+        "1",
+    ]
+    env = {
+        **ENV,
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), *sys.path]),
+    }  # (this checkout's)
+    proc = forks.popen(
+        [*args, "--no-report"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
+    wait_for(lambda: len(list(out.glob("stream/*/*.steps.parquet"))) >= 2, proc)
+    os.rename(out / "stream", tmp_path / "moved")  # (at once: the writer may be writing into it)
+    err = communicate_or_dump(proc)
+    assert proc.returncode == 1, err  # (the steps it wrote there are lost: the run is incomplete)
+    lines = err.splitlines()
+    said = [line for line in lines if "the stream stopped writing" in line]
+    assert len(said) == 1 and said[0].startswith(
+        "precprof: warning: the stream stopped writing after step"
+    ), err
+    assert "UserWarning" not in err and "__main__.py" not in err and "run()" not in err, err
+    assert any(line.startswith("precprof: error: ") for line in lines), err  # (its save's line, as before)
+
+
 @pytest.mark.parametrize(
     ("sig", "code", "word"),
     [(signal.SIGTERM, 143, "terminated"), (signal.SIGINT, 130, "Ctrl-C"), (signal.SIGHUP, 129, "hangup")],

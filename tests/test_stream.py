@@ -20,6 +20,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -1543,6 +1544,39 @@ def test_a_writer_process_that_dies_ends_no_training_and_loses_no_row(tmp_path: 
         kept["steps"].drop(columns=[T.TIME_S, T.RESUMED]),
         check_dtype=False,
     )
+
+
+def test_a_killed_writer_process_is_said_at_the_users_prof_step_line(tmp_path: Path) -> None:
+    """Tester t4: the stream's writer process killed mid-run; in the user's own loop the warning that says so
+    points at the user's line that met it, their ``prof.step()``, not into precprof."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    x = torch.randn(4, 8)
+    said: list[Any] = []
+    with precprof.Profiler(model, opt, sample_every=1, out=tmp_path / "run") as prof:
+        sink = prof._recorded.sink
+        assert sink is not None and sink._proc is not None and sink.writer == "process"
+        for step in range(6):
+            if step == 2:
+                sink.drain()
+                wait_ready(sink)
+                sink._proc.proc.kill()
+                sink._proc.proc.wait()
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                here = inspect.currentframe().f_lineno + 1  # type: ignore[union-attr]
+                prof.step()
+            said += [(w, here) for w in caught if "stopped writing" in str(w.message)]
+            if step == 2:
+                sink.drain()  # (the writer thread met the ended process: said at the next step)
+    assert len(said) == 1, [str(w.message) for w, _ in said]
+    ((w, line),) = said
+    assert "the stream's writer process ended (exit code -9)" in str(w.message)
+    assert (w.filename, w.lineno) == (__file__, line)
 
 
 def test_a_run_directory_removed_mid_run_says_which_steps_it_lost(tmp_path: Path) -> None:
