@@ -33,6 +33,20 @@ _STAT = (
 _PID_STAT = "4242 (python (x) y) S 1 4242 4242 0 -1 4194560 900 0 0 0 {ut} {st} 0 0 20 0 3 0 100 0 0"
 
 
+@pytest.fixture(autouse=True)
+def _measured(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The suite turns the measurement off (tests/conftest.py); these tests measure."""
+    monkeypatch.delenv(L.ENV, raising=False)
+
+
+def test_the_measurement_is_off_where_its_variable_says_0(monkeypatch: pytest.MonkeyPatch) -> None:
+    """PRECPROF_MACHINE_LOAD=0: nothing measured, as on a machine without /proc/stat."""
+    stat = "cpu  1000 20 300 9000 5 7 11 2 0 0\n"
+    assert L.take([], {L.PROC_STAT: stat}.get) is not None
+    monkeypatch.setenv(L.ENV, "0")
+    assert L.take([], {L.PROC_STAT: stat}.get) is None
+
+
 def test_busy_and_process_jiffies_are_read_off_the_kernels_text() -> None:
     """Busy time is user + nice + system + irq + softirq + steal (guest is inside user; idle and iowait are
     not busy); a process's time is its utime + stime, counted after the last ')' of its name."""

@@ -357,7 +357,9 @@ def test_precprof_report_on_a_killed_run(
     assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr
     html = (out / T.REPORT_FILE).read_text()
     assert "The run was cut off after step" in html
-    assert "ended before it could save, and no process holds the run directory now" in html  # its process is gone
+    assert (
+        "ended before it could save, and no process holds the run directory now" in html
+    )  # its process is gone
     # its sampling, counted from its steps table (the summary that counts it was never written: no counts)
     n = F.count(len(T.read_run(out).tables["steps"]))
     assert (

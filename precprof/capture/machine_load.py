@@ -78,8 +78,15 @@ class Snapshot:
     writers: Mapping[int, int] = field(default_factory=dict)
 
 
+# set to 0: nothing measured (``other_cpu_cores`` None, compare says nothing of the load): for a machine whose
+# other work varies by design while its runs are compared (a test suite's other workers; the project's own tests)
+ENV = "PRECPROF_MACHINE_LOAD"
+
+
 def take(writer_pids: Iterable[int] = (), read: Callable[[str], str | None] = _read) -> Snapshot | None:
-    """The counters now; None where ``/proc/stat`` cannot be read (not Linux)."""
+    """The counters now; None where ``/proc/stat`` cannot be read (not Linux), or where ``ENV`` is 0."""
+    if os.environ.get(ENV, "").strip() == "0":
+        return None
     text = read(PROC_STAT)
     busy = busy_ticks(text) if text is not None else None
     if busy is None:
