@@ -109,9 +109,8 @@ class PartsAssembly:
         )
         if self.scaler is not None and hasattr(self.scaler, "update"):
             hooks = self._hooks
-            hooks.passes = ScaledPasses(
-                self.scaler, lambda: hooks.installed
-            )  # (gradients at scale 1 told apart)
+            # the passes that began at a scaled loss: gradients of any other are at scale 1
+            hooks.passes = ScaledPasses(self.scaler, lambda: hooks.installed)
             self._scaler_watch = ScalerWatch(
                 self.scaler,
                 self._device,

@@ -88,6 +88,13 @@ def _n_modules(rows: Iterable[str]) -> int:
     return len({m.removesuffix(T.INPUT_SUFFIX) for m in rows})
 
 
+def _attention_part(part: str) -> bool:
+    """Whether one part of a module's name names an attention: it holds "attn" or "attention" (self_attn,
+    attention.self, attn.c_attn). How rules/fp8 tells the attention whose score matmuls it does not count and
+    rules/nonfinite the attention whose own code made a nan/inf."""
+    return "attn" in part.lower() or "attention" in part.lower()
+
+
 def _owner(module: str, model_inputs: Collection[str] = (), no_forward: Collection[str] = ()) -> str:
     """The module to act on for a row's module name: itself, or, for a layer's own input row
     (``T.input_module``: a function's output), the module whose forward ran that function, the layer's parent,

@@ -37,6 +37,7 @@ from precprof import formats, taxonomy
 from precprof import tables as T
 from precprof.analysis import current_scaling, fp8_speed, lost_norm
 from precprof.analysis.advisor.evidence import (
+    _attention_part,
     _captured_modules,
     _computed_weights,
     _dtype_has,
@@ -1099,7 +1100,7 @@ def _attention_uncounted(run: _Run, unconverted: Mapping[str, _Unconverted]) -> 
         if any(f"{m}.".startswith(f"{c}.") for c in counted):
             continue
         parts = m.split(".")
-        at = [i for i, p in enumerate(parts) if "attn" in p.lower() or "attention" in p.lower()]
+        at = [i for i, p in enumerate(parts) if _attention_part(p)]
         if at:
             attention[".".join(parts[: at[0] + 1])] = None
     return [a for a in attention if any(r == a or r.startswith(f"{a}.") for r in ran)]

@@ -18,6 +18,7 @@ import pandas as pd
 
 from precprof import tables as T
 from precprof.analysis.advisor.evidence import (
+    _attention_part,
     _dtype_has,
     _innermost,
     _mask_rows,
@@ -484,7 +485,7 @@ def _made_by(run: _Run, first: str) -> str | None:
 def _attention_named(module: str) -> bool:
     """Whether ``module`` is an attention by its name, a part of it holding "attn" or "attention" (self_attn,
     attention.self, attn), as rules/fp8 tells the attention modules whose scores it does not count."""
-    return any("attn" in p.lower() or "attention" in p.lower() for p in module.split("."))
+    return any(_attention_part(p) for p in module.split("."))
 
 
 def _made_by_said(first: str, maker: str | None, reused: bool) -> str:
