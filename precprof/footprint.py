@@ -579,6 +579,19 @@ def _failure(e: BaseException) -> str:
     return f"the measuring pass raised {type(e).__name__}" + (f": {first}" if first else "")
 
 
+class ModelDoesNotFit(UserError):
+    """The model's own states (parameters, gradients, optimizer states) exceed the memory available, whatever the
+    batch: the fix is a smaller model (:meth:`with_example` names one)."""
+
+    def with_example(self, example: str | None) -> UserError:
+        """This refusal with ``example`` (--model-arg settings that make the model small) in its fix."""
+        if not example:
+            return self
+        return UserError(
+            str(self).replace("model (--model-arg) or", f"model with --model-arg, e.g. {example}, or")
+        )
+
+
 def check_fits(fp: Footprint, available: int | None, *, what: str, where: str) -> None:
     """UserError, one line, when ``fp`` exceeds ``HEADROOM`` of ``available`` bytes (None: nothing to check).
 
@@ -602,7 +615,7 @@ def _refusal(
             f"{size_text(fp.activations)}) but {has}: use --batch-size {fits} or less, or a shorter --seq-len"
         )
     if available is not None and fp.model_states > HEADROOM * available:
-        return UserError(
+        return ModelDoesNotFit(
             f"{what} needs at least {size_text(fp.model_states)}{_per_rank(fp)} to train ({states}) but {has}: the model "
             "alone does not fit; choose a smaller model (--model-arg) or a machine with more memory"
         )

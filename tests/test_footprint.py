@@ -6,6 +6,7 @@ refusal of a run that cannot fit; and a measuring pass that leaves training unto
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import subprocess
 import sys
@@ -637,3 +638,52 @@ def test_an_fsdp_rank_counts_its_shard_and_the_largest_unit_gathered_whole(
     assert "its 1/2 shard of the model" in FP.line(fp)
     info = FP.describe(fp)
     assert (info["ranks"], info["sharded"], info["gathered_unit"]) == (2, True, shard.gathered)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
+def test_an_hf_model_whose_states_do_not_fit_is_told_sizes_that_build(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """hf:gemma2's default config (2.6B parameters) passes the build's size check (16-bit weights, gradients and
+    one fp32 state fit 22 GiB) and was refused by the footprint's with "choose a smaller model (--model-arg)"
+    and no sizes, where hf:llama's refusal gave them. Here an hf:gpt2 of 4 layers of width 512 in fp32 against
+    64 MiB (and what the model holds already): the refusal names --model-arg settings, and the model they name builds, smaller; one already no
+    larger than those settings is told none."""
+    import re
+
+    from precprof.training import loop
+    from precprof.training.config import TrainConfig
+
+    def refusal(args: dict[str, str]) -> str:
+        built = build_model("hf:gpt2", args, vocab_size=256, seq_len=16)
+        config = TrainConfig(model="hf:gpt2", precision="fp32", batch_size=2, seq_len=16, device="cpu")
+
+        def never(n: int) -> torch.Tensor:
+            raise AssertionError("measured a model that cannot fit")
+
+        with pytest.raises(UserError) as info:
+            loop._check_memory(config, built, built.module, never, CPU, FP.Sharding())
+        return str(info.value)
+
+    monkeypatch.setattr(FP, "available_bytes", lambda device, **_: 64 * 2**20)
+    msg = refusal({"n_layer": "4", "n_embd": "512", "n_head": "4"})
+    assert "\n" not in msg
+    assert (
+        "the model alone does not fit; choose a smaller model with --model-arg, e.g. -a num_hidden_layers=2"
+        in msg
+    )
+    assert msg.endswith(", or a machine with more memory"), msg
+    args = dict(a.split("=") for a in re.findall(r"-a (\S+=\S+)", msg))
+    n = sum(p.numel() for p in build_model("hf:gpt2", args, vocab_size=256, seq_len=16).module.parameters())
+    assert f"({n / 1e6:,.1f}M parameters)" in msg
+    assert n < sum(
+        p.numel()
+        for p in build_model(
+            "hf:gpt2", {"n_layer": "4", "n_embd": "512", "n_head": "4"}, vocab_size=256, seq_len=16
+        ).module.parameters()
+    )
+    monkeypatch.setattr(FP, "available_bytes", lambda device, **_: 2**20)
+    msg = refusal(
+        {"n_layer": "2", "n_embd": "256", "n_head": "4"}
+    )  # the settings themselves: nothing smaller to offer
+    assert "choose a smaller model (--model-arg) or a machine with more memory" in msg and "e.g." not in msg

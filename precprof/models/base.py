@@ -36,6 +36,9 @@ class BuiltModel:
     # a factory's model of several embeddings, none known to embed the tokens: ``vocab_size`` is the classes of
     # the logits the loop reads (``with_logits_vocab``), unknown (None) before or without them
     vocab_from_logits: bool = False
+    # --model-arg settings that make the model small, as typed on the command line (None: none known), asked only
+    # when a run of it is refused for its size (``footprint.ModelDoesNotFit``)
+    smaller: Callable[[], str | None] | None = field(default=None, repr=False, compare=False)
 
     def with_logits_vocab(self, logits_shape: tuple[int, ...] | None) -> BuiltModel:
         """This model with ``vocab_size`` the last dimension of the logits the loop read, where the model's

@@ -134,6 +134,7 @@ def _from_config(model_type: str, args: Mapping[str, Any], seq_len: int) -> Buil
         vocab_size=int(config.vocab_size),
         max_seq_len=max_len,
         dims=dims,
+        smaller=lambda: _small_example(model_type, config, below=n_params),
     )
 
 
@@ -190,10 +191,10 @@ _SMALL = (
 )
 
 
-def _small_example(model_type: str, config: Any) -> str | None:
+def _small_example(model_type: str, config: Any, below: int | None = None) -> str | None:
     """--model-arg settings that make ``model_type`` small (2 layers of width 256 where its config has those
     fields), as typed on the command line with the parameter count; checked by building it on the meta device;
-    None when that fails."""
+    None when that fails, or when it would not have fewer than ``below`` parameters (a model already that small)."""
     from transformers import AutoConfig
 
     sizes: dict[str, int] = {}
@@ -206,6 +207,8 @@ def _small_example(model_type: str, config: Any) -> str | None:
     try:
         n = _params_on_meta(AutoConfig.for_model(model_type, **sizes))
     except Exception:  # only a suggestion: the error stands without it
+        return None
+    if below is not None and n >= below:
         return None
     return " ".join(f"-a {k}={v}" for k, v in sizes.items()) + f" ({n / 1e6:,.1f}M parameters)"
 

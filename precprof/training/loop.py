@@ -539,16 +539,19 @@ def _check_memory(
 ) -> footprint.Footprint:
     """Refuse, before the first step, a run that cannot fit in this device's memory (``precprof.footprint``):
     one rank's, ``model`` unwrapped, its states held as ``sharding`` says the wrapper will hold them."""
-    return footprint.check_training_fits(
-        model,
-        batch_size=config.batch_size,
-        optimizer=config.optimizer,
-        forward_loss=forward_loss,
-        device=device,
-        what=_run_what(config, built.name),
-        processes_sharing=_ranks_sharing(device),
-        sharding=sharding,
-    )
+    try:
+        return footprint.check_training_fits(
+            model,
+            batch_size=config.batch_size,
+            optimizer=config.optimizer,
+            forward_loss=forward_loss,
+            device=device,
+            what=_run_what(config, built.name),
+            processes_sharing=_ranks_sharing(device),
+            sharding=sharding,
+        )
+    except footprint.ModelDoesNotFit as e:
+        raise e.with_example(built.smaller() if built.smaller is not None else None) from None
 
 
 def _sharding(config: TrainConfig, model: nn.Module, dist_info: launch.DistInfo | None) -> footprint.Sharding:
@@ -651,9 +654,12 @@ def _refuse_before_building(
     except Exception:  # the real model's check decides (and a real error is met where it is recorded)
         return
     if fp.measured and fp.total > META_MARGIN * footprint.HEADROOM * avail:
-        footprint.check_fits(
-            fp, avail, what=_run_what(config, built.name), where=footprint.place(device, sharing)
-        )
+        try:
+            footprint.check_fits(
+                fp, avail, what=_run_what(config, built.name), where=footprint.place(device, sharing)
+            )
+        except footprint.ModelDoesNotFit as e:
+            raise e.with_example(built.smaller() if built.smaller is not None else None) from None
 
 
 def _run(s: _Setup, callbacks: Sequence[Callback], claimed: rundir.RunDir | None, label: str) -> TrainResult:
