@@ -42,7 +42,14 @@ from precprof.analysis.advisor.evidence import (
     _under_any,
 )
 from precprof.analysis.advisor.model import CRITICAL, INFO, WARNING, Finding
-from precprof.analysis.advisor.rules.kept import _cast_flush, _gemm_inputs, _outside_autocast, _rule_kept_fp32
+from precprof.analysis.advisor.rules.kept import (
+    _cast_flush,
+    _gemm_inputs,
+    _outside_autocast,
+    _rule_kept_fp32,
+    fp16_pure,
+    kept_how,
+)
 from precprof.analysis.advisor.rules.kept_gradients import (
     KeptGradients,
     autocast_fp32_gradients,
@@ -75,8 +82,9 @@ def _rule_fp16_activations(run: _Run, plan: _Plan) -> None:
     if not began.empty:
         acts = pd.concat([acts, began])
     # What-if: exact fp16 overflow counts of tensors that were not fp16 (scale is 1 in the forward pass); under
-    # autocast, of those fp16 autocast would hold in fp16 (an fp32 tensor it leaves alone overflows nothing)
-    cast = _cast_under_fp16_autocast(run, acts) if run.autocast.get("enabled") else None
+    # autocast, of those fp16 autocast would hold in fp16 (an fp32 tensor it leaves alone overflows nothing); in an
+    # fp16-pure run, of those an fp16 matmul reads (an fp32 layer's output, kept so, is cast by nothing)
+    cast = _cast_under_fp16_autocast(run, acts) if run.autocast.get("enabled") or fp16_pure(run) else None
     if cast is not None:
         acts = acts[_dtype_has(acts, "float16") | cast]
     whatif = acts[~_dtype_has(acts, "float16") & (acts[T.overflow_col("fp16")] > 0)]
@@ -535,7 +543,7 @@ def _kept_remedy(
                 if not cast_by
                 else _listing([m for m in overflow_mods if m not in cast_by], 4)
             )
-            + " in fp32 (outside autocast)"
+            + f" in fp32 {kept_how(run, plural=not cast_by or len(overflow_mods) - len(cast_by) > 1)}"
             + _normalise_remedy([m for m in made if m not in cast_by], _model_inputs(run))
         )
     said += [_readers_remedy(m, cast_by[m], "goes beyond 65504") for m in overflow_mods if m in cast_by][:4]
@@ -756,7 +764,10 @@ def _cast_under_fp16_autocast(run: _Run, acts: pd.DataFrame) -> pd.Series | None
     nor flushes. The matmuls are linear layers and convolutions. None when the capture did not record which
     tensors the matmuls read (a run recorded by an older precprof, or before it with block formats off): every
     tensor counts then, as in a run without autocast. A matmul that ran outside autocast (its output fp32: the
-    run keeps it in fp32, as keep_fp32 advises) casts nothing: what it reads stays fp32."""
+    run keeps it in fp32, as keep_fp32 advises) casts nothing: what it reads stays fp32. An fp16-pure run is read
+    alike: its fp32 tensors (a layer it holds in fp32, as transformers' ``_keep_in_fp32_modules`` holds T5's wo,
+    and what passes its output on) reach fp16 only where an fp16 matmul reads them; a cast by code between
+    modules makes a new tensor, read as that matmul's own input row, fp16 and counted as observed."""
     inputs = _gemm_inputs(run)
     if inputs is None:
         return None

@@ -1,7 +1,8 @@
-"""Matmul layers an autocast run kept in fp32 (outside autocast, as keep_fp32 advises): whether fp16 still needs
-them there, judged on their own values. Such a layer casts nothing to fp16, so the forward rules see no fp16
-trouble in it, and a keep list built from them alone would drop it: the user pasting it loses the fp32 wrapper
-that kept the run finite."""
+"""Matmul layers an autocast run kept in fp32 (outside autocast, as keep_fp32 advises), or an fp16-pure run held
+in fp32 (their weights fp32, as transformers' ``_keep_in_fp32_modules`` holds T5's ``wo``): whether fp16 still
+needs them there, judged on their own values. Such a layer casts nothing to fp16, so the forward rules see no
+fp16 trouble in it, and a keep list built from them alone would drop it: the user pasting it loses the fp32
+wrapper that kept the run finite."""
 
 from __future__ import annotations
 
@@ -26,6 +27,25 @@ def _gemm_inputs(run: _Run) -> dict[str, list[str]] | None:
     if not isinstance(inputs, Mapping):
         return None
     return {str(c): [str(p) for p in v] for c, v in inputs.items() if isinstance(v, list)}
+
+
+def fp16_pure(run: _Run) -> bool:
+    """Whether the run trained in fp16-pure: the model's parameters fp16, no autocast. An fp32 tensor there is one
+    the model kept in fp32 (a layer whose weights it holds in fp32, code that upcasts); it reaches fp16 only
+    where code casts it, which the row of what read it shows as fp16."""
+    return not run.autocast.get("enabled") and run.precision_trained == "fp16-pure"
+
+
+def kept_how(run: _Run, plural: bool = False) -> str:
+    """How a layer is kept in fp32 under fp16, in words, for the run's mode: outside autocast, or, in an fp16-pure
+    run (no autocast to leave), its weights in fp32 and its input cast to them."""
+    if fp16_pure(run):
+        return (
+            "(their weights in fp32, .float(), and their input cast to fp32 where the model does not cast it)"
+            if plural
+            else "(its weights in fp32, .float(), and its input cast to fp32 where the model does not cast it)"
+        )
+    return "(outside autocast)"
 
 
 def _outside_autocast(acts: pd.DataFrame) -> set[str]:
@@ -87,7 +107,7 @@ def _judge(
     run: _Run, layer: str, rows: pd.DataFrame, input_known: bool, stream: pd.DataFrame, later: pd.DataFrame
 ) -> tuple[bool, str]:
     """Whether fp16 needs ``layer`` in fp32, and why in words, from the ``rows`` it would cast or compute in fp16
-    under autocast (its input and output, fp32 here): a value beyond 65504 or within the headroom of it, or more
+    under autocast, or in an fp16-pure model (its input and output, fp32 here): a value beyond 65504 or within the headroom of it, or more
     than ``fp16_activation_underflow_warn`` of the nonzero values of its input or of its output flushed
     (``_cast_flush``), as the forward rules judge them. ``stream``: its own input row where code between modules
     made it in fp16 and it holds inf (the layer, kept, reads an input fp16 overflowed before it); ``later``: the
@@ -182,12 +202,13 @@ def _cast_flush_said(flushed: _CastFlush) -> str:
 
 
 def kept_in_fp32(run: _Run, plan: _Plan) -> _Kept | None:
-    """The matmul layers this autocast run kept in fp32, each judged on its own rows: its input (its input row and
-    the outputs it read, capture.gemm_inputs) and its output, which fp16 autocast would cast or compute in fp16
-    were the layer released. None without autocast or without the record of what the matmuls read."""
+    """The matmul layers this autocast run kept in fp32 (or this fp16-pure run held in fp32), each judged on its own
+    rows: its input (its input row and the outputs it read, capture.gemm_inputs) and its output, which fp16 would
+    cast or compute in fp16 were the layer released. None without autocast (or fp16-pure) or without the record
+    of what the matmuls read."""
     inputs = _gemm_inputs(run)
     acts = run.kind(T.ACTIVATION)
-    if not run.autocast.get("enabled") or inputs is None or acts.empty:
+    if not (run.autocast.get("enabled") or fp16_pure(run)) or inputs is None or acts.empty:
         return None
     outside = _outside_autocast(acts)
     names = set(T.texts(acts[T.MODULE]))
@@ -223,16 +244,17 @@ def _rule_kept_fp32(run: _Run, plan: _Plan) -> None:
     plan.released_fp32 = free
     plan.keep_fp16 = run.sort(dict.fromkeys([*plan.keep_fp16, *need]))
     listed = run.cfg.max_listed_modules
+    pure = fp16_pure(run)
     remedy = []
     if need:
         remedy.append(
-            f"Keep {_listing(need, listed)} in fp32 (outside autocast) under fp16, as this run does: the "
+            f"Keep {_listing(need, listed)} in fp32 {kept_how(run, len(need) > 1)} under fp16, as this run does: the "
             f"recommendation's fp16_keep_fp32 lists {'it' if len(need) == 1 else 'them'}"
         )
     if free:
         remedy.append(
-            f"{_listing(free, listed)} may run under fp16 autocast again: {'its' if len(free) == 1 else 'their'} "
-            "values fit fp16"
+            f"{_listing(free, listed)} may run {'in fp16' if pure else 'under fp16 autocast'} again: "
+            f"{'its' if len(free) == 1 else 'their'} values fit fp16"
         )
     if kept.between:
         remedy.append(
@@ -250,11 +272,14 @@ def _rule_kept_fp32(run: _Run, plan: _Plan) -> None:
         Finding(
             "fp16_kept_fp32",
             INFO,
-            f"{len(need) + len(free)} matmul layer(s) ran in fp32 outside autocast",
-            f"{_listing(need + free, listed)} ran outside autocast in this run (every output fp32): "
+            f"{len(need) + len(free)} matmul layer(s) ran in fp32 "
+            + ("in an fp16 model" if pure else "outside autocast"),
+            f"{_listing(need + free, listed)} ran "
+            + ("in fp32 in this fp16-pure run" if pure else "outside autocast in this run")
+            + " (every output fp32): "
             f"{'it casts' if one else 'they cast'} nothing to fp16, so the forward findings see no fp16 trouble "
-            f"in {'it' if one else 'them'}. Judged on what fp16 autocast would cast or compute there (the input "
-            "and the output): "
+            f"in {'it' if one else 'them'}. Judged on what fp16 {'' if pure else 'autocast '}would cast or compute "
+            "there (the input and the output): "
             + "; ".join(
                 [*(kept.needed[m] for m in need[:listed]), *(kept.released[m] for m in free[:listed])]
             )
