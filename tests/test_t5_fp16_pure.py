@@ -16,15 +16,18 @@ from precprof.analysis.advisor import AdvisorConfig
 transformers = pytest.importorskip("transformers")
 
 WO = "encoder.block.1.layer.1.DenseReluDense.wo"
+DROP = "encoder.block.1.layer.1.dropout"  # T5LayerFF's dropout of wo's output, before the residual add
 
 
-def _t5_pure_fp16(keep_wo: bool, steps: int = 4) -> tuple[precprof.Recommendation, list[float], float]:
+def _t5_pure_fp16(
+    keep_wo: bool, steps: int = 4
+) -> tuple[precprof.Recommendation, list[float], float, set[torch.dtype]]:
     """A T5 of 2 layers (d_model 64, d_ff 128) whose second encoder block's wi and wo weights are 160x (its wo
     output reaches ~1e5), cast to fp16; ``keep_wo``: that wo kept in fp32 (``.float()``), as transformers'
     ``_keep_in_fp32_modules`` keeps it in a model loaded with ``torch_dtype=torch.float16`` (a model built from
     its config with that dtype is not: every weight is fp16). Trained ``steps`` steps of AdamW on a reversal task,
     every step sampled. Returns the advisor's recommendation, the losses and wo's largest fp32 output |x| (seen by
-    a hook of the test's own, NaN with wo in fp16)."""
+    a hook of the test's own, NaN with wo in fp16) and the dtypes of DROP's output (its gradient's dtype)."""
     torch.manual_seed(0)
     cfg = transformers.T5Config(
         vocab_size=128, d_model=64, d_ff=128, num_layers=2, num_heads=2, d_kv=32, decoder_start_token_id=0
@@ -44,6 +47,8 @@ def _t5_pure_fp16(keep_wo: bool, steps: int = 4) -> tuple[precprof.Recommendatio
             top[0] = max(float(out.detach().abs().max()), 0.0 if top[0] != top[0] else top[0])
 
     model.get_submodule(WO).register_forward_hook(seen)
+    dtypes: set[torch.dtype] = set()
+    model.get_submodule(DROP).register_forward_hook(lambda mod, args, out: dtypes.add(out.dtype))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-4)
     gen = torch.Generator().manual_seed(1)
     losses = []
@@ -60,7 +65,7 @@ def _t5_pure_fp16(keep_wo: bool, steps: int = 4) -> tuple[precprof.Recommendatio
             losses.append(loss.item())
     summary = {"capture": prof.summary(), "model": {"n_params": sum(p.numel() for p in model.parameters())}}
     rec = precprof.recommend(prof.tables(), config=AdvisorConfig(small_model_params=0), summary=summary)
-    return rec, losses, top[0]
+    return rec, losses, top[0], dtypes
 
 
 def test_t5_wo_kept_in_fp32_in_an_fp16_pure_run_is_not_told_to_be_kept_in_fp32_again() -> None:
@@ -71,7 +76,7 @@ def test_t5_wo_kept_in_fp32_in_an_fp16_pure_run_is_not_told_to_be_kept_in_fp32_a
     autocast)": advice the run already follows, for a cast nothing in it makes. That overflow is no finding now;
     fp16_kept_fp32 says wo ran in fp32 and still needs it (its values go beyond 65504), in the words of an
     fp16-pure run (its weights in fp32, no autocast), and fp16_keep_fp32 keeps it."""
-    rec, losses, top = _t5_pure_fp16(keep_wo=True)
+    rec, losses, top, _ = _t5_pure_fp16(keep_wo=True)
     assert all(torch.isfinite(torch.tensor(losses))) and top > 65520.0  # trains, with wo's output beyond fp16
     assert rec.finding("fp16_activation_overflow") is None
     kept = rec.finding("fp16_kept_fp32")
@@ -89,7 +94,7 @@ def test_t5_wo_overflowing_in_an_fp16_pure_run_is_named_with_a_remedy_for_a_mode
     64504, so that step's loss is finite), and a dropout's zeros times inf make nan, so the run diverges.
     fp16_activation_overflow names wo, critical, and its remedy keeps wo in fp32 in words that apply where there
     is no autocast to leave (its weights in fp32, its input cast to them); the run above proves that remedy."""
-    rec, losses, _ = _t5_pure_fp16(keep_wo=False)
+    rec, losses, _, _ = _t5_pure_fp16(keep_wo=False)
     assert not all(torch.isfinite(torch.tensor(losses)))
     f = rec.finding("fp16_activation_overflow")
     assert f is not None and f.severity == "critical" and f.modules == [WO]
@@ -99,3 +104,18 @@ def test_t5_wo_overflowing_in_an_fp16_pure_run_is_named_with_a_remedy_for_a_mode
         in f.remedy
     )
     assert WO in rec.fp16_keep_fp32
+
+
+def test_t5_fp32_gradients_after_a_layer_held_in_fp32_are_not_counted_as_fp16_underflow() -> None:
+    """With wo held in fp32, the dropout after it computes in fp32 (its output, and so its gradient, fp32 on every
+    step: the test's own hook), and its gradient is tiny (the residual stream, ~1e5, is divided by its norm's
+    rms on the way back). fp16_gradient_underflow read "98.6% of 245,760 nonzero activation-gradient values that
+    were not fp16 flush to zero in fp16", all of them that dropout's: a what-if for gradients this fp16 run holds
+    in fp32, and would hold so with the advice followed (fp16_keep_fp32 keeps wo). They are left out and named
+    now, as an autocast run's are; the fp16 gradients' own floor (scale 1) is what the finding says."""
+    rec, _, _, dtypes = _t5_pure_fp16(keep_wo=True)
+    assert dtypes == {torch.float32}
+    f = rec.finding("fp16_gradient_underflow")
+    assert f is not None and DROP not in f.modules
+    assert "that were not fp16" not in f.title + f.message
+    assert f"left out: {DROP}, whose gradients an fp16 run holds in fp32" in f.message

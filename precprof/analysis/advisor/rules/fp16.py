@@ -1282,9 +1282,10 @@ def _subnormal_share(run: _Run, rows: pd.DataFrame, modules: list[str]) -> float
 def _fp32_under_autocast(run: _Run, ag: pd.DataFrame) -> set[str]:
     """The modules of an autocast run whose activation gradients were fp32 on every row: a gradient has its
     tensor's dtype, and a tensor autocast left in fp32 (a layer run outside autocast, as keep_fp32 advises, and
-    the ops after it) stays fp32 under fp16 autocast too, so fp16 flushes none of it. Empty without autocast,
-    where every gradient is what fp16 would hold."""
-    if not run.autocast.get("enabled") or ag.empty:
+    the ops after it) stays fp32 under fp16 autocast too, so fp16 flushes none of it; an fp16-pure run's fp32
+    gradients alike (a layer it holds in fp32, and what passes its output on: the run is what fp16 holds). Empty
+    without autocast (an fp32 run), where every gradient is what fp16 would hold."""
+    if not (run.autocast.get("enabled") or fp16_pure(run)) or ag.empty:
         return set()
     names = T.texts(ag[T.MODULE])
     low = (_dtype_has(ag, "float16") | _dtype_has(ag, "bfloat16")).to_numpy()
