@@ -64,8 +64,17 @@ def _t5_pure_fp16(
             prof.step(loss=loss.detach())
             losses.append(loss.item())
     summary = {"capture": prof.summary(), "model": {"n_params": sum(p.numel() for p in model.parameters())}}
-    rec = precprof.recommend(prof.tables(), config=AdvisorConfig(small_model_params=0), summary=summary)
-    return rec, losses, top[0], dtypes
+    tables = prof.tables()
+    _advised.clear()
+    _advised.append(
+        lambda hw: precprof.recommend(
+            tables, hardware=hw, config=AdvisorConfig(small_model_params=0), summary=summary
+        )
+    )
+    return _advised[0](None), losses, top[0], dtypes
+
+
+_advised: list = []  # the advisor on the last run of _t5_pure_fp16, for another target: _advised[0]("t4")
 
 
 def test_t5_wo_kept_in_fp32_in_an_fp16_pure_run_is_not_told_to_be_kept_in_fp32_again() -> None:
@@ -119,3 +128,22 @@ def test_t5_fp32_gradients_after_a_layer_held_in_fp32_are_not_counted_as_fp16_un
     assert f is not None and DROP not in f.modules
     assert "that were not fp16" not in f.title + f.message
     assert f"left out: {DROP}, whose gradients an fp16 run holds in fp32" in f.message
+
+
+def test_t5_wo_held_in_fp32_in_an_fp16_pure_run_is_said_without_autocast_in_the_verdict_and_scale() -> None:
+    """The verdict's reasons on wo (held in fp32 by an fp16-pure run) said "as this run already does (outside
+    autocast)" under an fp16 verdict (a T4) and "ran in fp32 outside autocast" under bf16; fp16_loss_scale said
+    wo's gradients "stay fp32 under autocast". The run has no autocast: the texts say its weights are fp32."""
+    _t5_pure_fp16(keep_wo=True)
+    for hw, fmt in (("t4", "fp16"), ("a100", "bf16")):
+        rec = _advised[0](hw)
+        assert rec.format == fmt
+        said = " ".join(rec.reasons)
+        assert WO in said and "outside autocast" not in said
+        f = rec.finding("fp16_loss_scale")
+        assert f is not None and "under autocast" not in f.message
+    rec = _advised[0]("t4")
+    assert (
+        f"Keep {WO} in fp32 as this run already does (its weights in fp32): its own values still need it"
+        in " ".join(rec.reasons)
+    )

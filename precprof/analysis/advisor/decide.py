@@ -508,11 +508,15 @@ def _kept_said(plan: _Plan, cfg: AdvisorConfig, fmt: str, keep: list[str]) -> li
     needed there stay in the keep list, said to be kept already, and those whose values fit fp16 are said to be
     free; under bf16 or fp8 those the keep list leaves out are said to be free. None is left out in silence."""
     listed = cfg.max_listed_modules
+    pure = (
+        plan.kept_fp32_pure
+    )  # an fp16-pure run held them in fp32 (their weights fp32): no autocast to leave
     said = []
     if fmt == "fp16" and plan.kept_fp32:
         n = len(plan.kept_fp32)
         said.append(
-            f"Keep {_listing(plan.kept_fp32, listed)} in fp32 as this run already does (outside autocast): "
+            f"Keep {_listing(plan.kept_fp32, listed)} in fp32 as this run already does "
+            f"({'its weights in fp32' if pure and n == 1 else 'their weights in fp32' if pure else 'outside autocast'}): "
             f"{'its' if n == 1 else 'their'} own values still need it (fp16_kept_fp32)."
         )
     free = (
@@ -522,8 +526,9 @@ def _kept_said(plan: _Plan, cfg: AdvisorConfig, fmt: str, keep: list[str]) -> li
     )
     if fmt in ("fp16", "bf16", "fp8") and free:
         said.append(
-            f"{_listing(free, listed)} ran in fp32 outside autocast and may run under {fmt if fmt == 'fp16' else 'bf16'} "
-            f"autocast again: {'its' if len(free) == 1 else 'their'} values fit "
+            f"{_listing(free, listed)} ran in fp32 {'in an fp16-pure model' if pure else 'outside autocast'} and may "
+            f"run {'in fp16' if pure and fmt == 'fp16' else 'under ' + ('fp16' if fmt == 'fp16' else 'bf16') + ' autocast'} "
+            f"again: {'its' if len(free) == 1 else 'their'} values fit "
             + ("fp16" if fmt == "fp16" else "bf16's range, which is fp32's")
             + ", and keep_fp32 leaves "
             + ("it" if len(free) == 1 else "them")

@@ -581,10 +581,11 @@ class _Plan:
     # the norm's zeroed output accounts for (its backward passes back 0 through a row it zeroed) -> the norm:
     # no loss scale changes those zeros, and fp16_gradient_underflow does not count them as flushes
     fp16_norm_starved: dict[str, str] = field(default_factory=dict)
-    # matmul layers the run kept in fp32 under autocast: those fp16 still needs there (in keep_fp16 too), and those
-    # whose values fit fp16 (rules/kept)
+    # matmul layers the run kept in fp32 under autocast (or held in fp32 in an fp16-pure run: kept_fp32_pure):
+    # those fp16 still needs there (in keep_fp16 too), and those whose values fit fp16 (rules/kept)
     kept_fp32: list[str] = field(default_factory=list)
     released_fp32: list[str] = field(default_factory=list)
+    kept_fp32_pure: bool = False
     # modules the guide keeps in fp32 whatever the format (norms, softmax, losses found in 16-bit)
     keep_fp32_ops: list[str] = field(default_factory=list)
     fp16_block: list[str] = field(default_factory=list)

@@ -242,6 +242,7 @@ def _rule_kept_fp32(run: _Run, plan: _Plan) -> None:
     need, free = run.sort(kept.needed), run.sort(kept.released)
     plan.kept_fp32 = need
     plan.released_fp32 = free
+    plan.kept_fp32_pure = fp16_pure(run)
     plan.keep_fp16 = run.sort(dict.fromkeys([*plan.keep_fp16, *need]))
     listed = run.cfg.max_listed_modules
     pure = fp16_pure(run)

@@ -75,11 +75,11 @@ class KeptGradients:
                 "what it reads in fp16)"
             )
         if not self.read:
-            return f"{kept}, whose gradients stay fp32 under autocast"
+            return f"{kept}, whose gradients stay fp32 (a layer kept in fp32 computes them in fp32)"
         readers = list(dict.fromkeys(r for rs in self.read.values() for r in rs))
         one = len(self.read) == 1
         return (
-            f"{kept}, whose gradients stay fp32 under autocast, but for the output gradient{'' if one else 's'} "
+            f"{kept}, whose gradients stay fp32 (a layer kept in fp32 computes them in fp32), but for the output gradient{'' if one else 's'} "
             f"of {_listing(list(self.read), listed)}, which {_listing(readers, listed)} "
             f"read{'s' if len(readers) == 1 else ''} in fp16: a matmul run in fp16 computes the gradient of what it "
             "reads in fp16"
