@@ -508,9 +508,8 @@ def _kept_said(plan: _Plan, cfg: AdvisorConfig, fmt: str, keep: list[str]) -> li
     needed there stay in the keep list, said to be kept already, and those whose values fit fp16 are said to be
     free; under bf16 or fp8 those the keep list leaves out are said to be free. None is left out in silence."""
     listed = cfg.max_listed_modules
-    pure = (
-        plan.kept_fp32_pure
-    )  # an fp16-pure run held them in fp32 (their weights fp32): no autocast to leave
+    # an fp16-pure run held them in fp32 (their weights fp32): no autocast to leave
+    pure = plan.kept_fp32_pure
     said = []
     if fmt == "fp16" and plan.kept_fp32:
         n = len(plan.kept_fp32)
