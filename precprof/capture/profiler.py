@@ -381,6 +381,13 @@ class Profiler(PartsAssembly, ProfilerResults, OptimizerSwitch):
         if not self._attached:
             return
         self._attached = False
+        raised = unsaved.in_flight()
+        raised = raised if raised is not None and self._status == T.STATUS_COMPLETE else None
+        if raised is not None:
+            # the loop's `finally:` (or `except:`) around an exception that stopped training: the run is cut off by
+            # it, as a `with` block that raised says (its save had read "complete", the cause nowhere)
+            self.mark_incomplete(unsaved.cause(raised))
+            self._exit_cause = self._reason
         self._load.end()  # the steps are timed: the last flush and the stream's close are not theirs
         hooks, clean = self._hooks, self._status == T.STATUS_COMPLETE
         has_data = hooks is not None and hooks.has_data and not (clean and hooks.no_step())
@@ -398,6 +405,8 @@ class Profiler(PartsAssembly, ProfilerResults, OptimizerSwitch):
         self._close_stream()  # every flush on disk
         if self._dashboards is not None and self.is_writer:
             self._dashboards.close()
+        if raised is not None:
+            unsaved.say(self, raised)  # summary.json says it too, not "running ... killed", until a save
 
     def summary(self) -> dict[str, Any]:
         """The ``capture`` part of summary.json (``ProfilerResults.summary``), with ``machine_load``: how busy the

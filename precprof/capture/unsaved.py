@@ -11,7 +11,9 @@ one line (``cause``), the last step ``prof.step()`` ended, and that the steps re
 - ``with`` block: at ``__exit__`` (``say``), once ``detach()`` wrote every step to the stream;
 - no ``with``: at the interpreter's exit, from the exception it printed (``sys.last_value``, through the
   script's top level), for every Profiler that still holds its run (``watch``). An interactive session's last traceback (a REPL, IPython) need not be
-  what ended it: left alone there. ``sys.exit`` leaves no exception: the first text stays, as after a kill.
+  what ended it: left alone there. ``sys.exit`` leaves no exception: the first text stays, as after a kill;
+- no ``with``, ``prof.detach()`` in the loop's ``finally:`` or ``except:`` (``in_flight``): at ``detach()``, as
+  at ``__exit__``; the run is then incomplete with that cause (a save in that ``finally:`` had said "complete").
 
 Only a summary that still says "running" in this process is replaced: a save's, another process's and a kill's are
 left as they are. A Profiler attached again (the next cell of a notebook) says "running" again (``watch``).
@@ -71,6 +73,14 @@ def cause(exc: BaseException) -> str:
     if len(text) > MAX_MESSAGE:
         text = text[: MAX_MESSAGE - 1] + "…"
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def in_flight() -> BaseException | None:
+    """The exception being raised or handled where this is called (``prof.detach()`` in the loop's ``finally:``
+    or ``except:``), None when none is; a ``StopIteration`` (a data iterator run out: a loop's natural end) is
+    none."""
+    raised = sys.exc_info()[1]
+    return None if raised is None or isinstance(raised, StopIteration) else raised
 
 
 def _reason(prof: Any, exc: BaseException | str, at_exit: bool) -> str:
