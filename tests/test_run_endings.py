@@ -4,6 +4,7 @@ and report say of it (tester t3)."""
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from torch import nn
 import precprof
 from precprof import pipeline
 from precprof import tables as T
+from precprof.capture import records
 
 
 def _model() -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -119,3 +121,29 @@ def test_a_loop_ended_by_its_data_running_out_is_complete(tmp_path: Path) -> Non
     _train(model, opt, prof, 2, bad=-1)
     prof.detach()
     assert prof.status == (T.STATUS_COMPLETE, None)
+
+
+def test_a_streamed_run_flushes_its_unsampled_steps_every_few_seconds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run sampled rarely (``sample_every=200``) held its unsampled steps in the process until the next sampled
+    step (or 256 steps): a kill (the OOM killer) 150 steps in left step 0 alone on disk, the report "cut off after
+    step 0". The steps go to the stream at least every ``STREAM_STEPS_EVERY_S`` now (0 here: at each step), on
+    disk while the run still trains, with no sampled step in between."""
+    monkeypatch.setattr(records, "STREAM_STEPS_EVERY_S", 0.0)
+    model, opt = _model()
+    out = tmp_path / "run"
+    prof = precprof.Profiler(model, opt, sample_every=200, out=out, memory=False).attach()
+    _train(model, opt, prof, 6, bad=-1)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:  # the writer process writes beside the training
+        read = T.read_run(out)
+        if read.last_step is not None and read.last_step >= 5:
+            break
+        time.sleep(0.05)
+    steps = read.tables["steps"]
+    assert read.streamed and steps[T.STEP].tolist() == list(range(6))
+    assert T.flags(steps[T.SAMPLED]).tolist() == [True] + [False] * 5
+    prof.detach()
+    prof.save()
+    assert T.read_run(out).tables["steps"][T.STEP].tolist() == list(range(6))

@@ -35,7 +35,7 @@ from torch import nn
 from precprof import _compat, _signals, clipwatch, rundir
 from precprof import stats as st
 from precprof import tables as T
-from precprof.capture import arguments, attached, given, unsaved, writer_process
+from precprof.capture import arguments, attached, given, records, unsaved, writer_process
 from precprof.capture.assembly import PartsAssembly
 from precprof.capture.block_budget import DEFAULT_SHARE, BlockDeal
 from precprof.capture.collect import Collector
@@ -273,6 +273,9 @@ class Profiler(PartsAssembly, ProfilerResults, OptimizerSwitch):
         )
         self._outside_depth = 0
         self._pending: list[_PendingStep] = []
+        self._t_flushed = (
+            time.perf_counter()
+        )  # the last flush: a streamed run's steps go out every few seconds
 
         self._recorded = Recorded()
         self._autocast: dict[str, Any] = {}  # autocast as the first recorded forward saw it
@@ -508,7 +511,11 @@ class Profiler(PartsAssembly, ProfilerResults, OptimizerSwitch):
         self._pending.append(pending)
         if not self._sampling:  # before a flush hands its row on: the row says if Dynamo compiled in it
             pending.compiled = self._sampler.observe(self._step, "", pending.time_s, _compat.compiles())
-        if self._sampling or len(self._pending) >= MAX_PENDING_STEPS:
+        if (
+            self._sampling
+            or len(self._pending) >= MAX_PENDING_STEPS
+            or (entered - self._t_flushed >= records.STREAM_STEPS_EVERY_S and self._recorded.sink is not None)
+        ):
             self._flush(sampled_step_done=self._sampling, timed=pending if self._sampling else None)
         elif self._dashboards is not None and self.is_writer:
             self._dashboards.tick()  # host only: a wandb row waiting for the loop's next wandb step
@@ -566,6 +573,7 @@ class Profiler(PartsAssembly, ProfilerResults, OptimizerSwitch):
         disk) and the dashboards (host data only: no further sync). ``timed``: the sampled step just ended,
         whose time in the steps table then includes this copy."""
         pending, self._pending = self._pending, []
+        self._t_flushed = time.perf_counter()
         layers = sampled_step_done and self._buffer is not None and self._collector is not None
         step = pending[-1].step if pending else self._step
         if self._collector is not None:

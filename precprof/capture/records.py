@@ -20,6 +20,9 @@ from precprof import tables as T
 from precprof.capture.trainable import TrainedSeen
 
 MAX_PENDING_STEPS = 256  # steps kept on the device between flushes when sampling is rare or off
+# a run streamed to disk flushes its unsampled steps at least this often (seconds): a kill loses at most these
+# (one sync, a few rows, on an unsampled step; sampled steps are flushed anyway)
+STREAM_STEPS_EVERY_S = 10.0
 
 
 @dataclass(frozen=True)
