@@ -38,7 +38,7 @@ def odd_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def aligned_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return scen.train_run(tmp_path_factory.mktemp("fp8") / "n_embd96")
+    return scen.train_run(tmp_path_factory.mktemp("fp8") / "n_embd96", render=False)
 
 
 def test_a_tied_head_with_odd_dims_gets_no_fp8(odd_run: Path) -> None:
@@ -207,7 +207,7 @@ def test_convert_fp8_and_the_advisor_agree_layer_by_layer(
 # ------------------------------------------------------------------------------------ issue 34: the norm decides
 @pytest.fixture(scope="module")
 def wide_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return scen.train_run(tmp_path_factory.mktemp("fp8") / "wide_mlp", model=scen.WIDE_MLP_GPT)
+    return scen.train_run(tmp_path_factory.mktemp("fp8") / "wide_mlp", model=scen.WIDE_MLP_GPT, render=False)
 
 
 def test_a_tail_of_tiny_gradient_values_does_not_rule_a_layer_out(wide_run: Path) -> None:
@@ -253,7 +253,7 @@ def test_a_tail_of_tiny_gradient_values_does_not_rule_a_layer_out(wide_run: Path
 def test_eligibility_holds_from_run_to_run(wide_run: Path, tmp_path: Path) -> None:
     """Another seed, another run: the same layers are eligible (the median of a norm share, not the worst
     step's count of values, decides)."""
-    other = scen.train_run(tmp_path / "wide_seed1", model=scen.WIDE_MLP_GPT, seed=1, steps=2)
+    other = scen.train_run(tmp_path / "wide_seed1", model=scen.WIDE_MLP_GPT, seed=1, steps=2, render=False)
     a, b = (scen.advice(r).finding("fp8_eligibility") for r in (wide_run, other))
     assert a is not None and b is not None and a.modules == b.modules and len(a.modules) == 16
 

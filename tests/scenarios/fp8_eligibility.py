@@ -61,10 +61,16 @@ def wide_mlp_gpt(vocab_size: int, seq_len: int, c_fc_gain: float = C_FC_GAIN) ->
 
 
 def train_run(
-    out: Path, n_embd: int | None = None, steps: int = 3, model: str = "gpt-nano", seed: int = 0
+    out: Path,
+    n_embd: int | None = None,
+    steps: int = 3,
+    model: str = "gpt-nano",
+    seed: int = 0,
+    render: bool = True,
 ) -> Path:
     """Train gpt-nano (or ``model``) for ``steps`` steps in fp32 on the CPU, every step sampled; returns the run
-    directory, its report rendered for the target (``precprof report RUN --target h100``)."""
+    directory, its report rendered for the target (``precprof report RUN --target h100``) where ``render`` (a
+    page takes a second or two of the suite: the runs whose page no test reads are advised from the directory)."""
     cfg = TrainConfig(
         model=model,
         model_args=_args(n_embd),
@@ -79,7 +85,8 @@ def train_run(
         seed=seed,
     )
     run_dir = train(cfg).run_dir
-    rerender(run_dir, target=TARGET)
+    if render:
+        rerender(run_dir, target=TARGET)
     return Path(run_dir)
 
 
