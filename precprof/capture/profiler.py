@@ -273,9 +273,8 @@ class Profiler(PartsAssembly, ProfilerResults, OptimizerSwitch):
         )
         self._outside_depth = 0
         self._pending: list[_PendingStep] = []
-        self._t_flushed = (
-            time.perf_counter()
-        )  # the last flush: a streamed run's steps go out every few seconds
+        # the last flush: a streamed run's steps go out every few seconds
+        self._t_flushed = time.perf_counter()
 
         self._recorded = Recorded()
         self._autocast: dict[str, Any] = {}  # autocast as the first recorded forward saw it
