@@ -12,7 +12,7 @@ Every column name used anywhere in precprof is a constant here (read them throug
     learning rate and a gradient whose update the row adds up, 0 where its group's learning rate was 0 or it
     had no gradient at the step (a skipped batch), which torch's optimizers skip; tensors for the other
     kinds), numel, zeros, nan,
-    inf, absmax (largest finite |x|, unscaled; 0 when no value is finite), absmin (smallest nonzero finite
+    inf, absmax (largest finite |x|, unscaled; NaN when no value is finite), absmin (smallest nonzero finite
     |x|, unscaled; NaN when there is none), scale (loss scale in effect when the tensor was seen: 1 in the
     forward pass),
     underflow_<fmt> / overflow_<fmt> for fmt in fp16, bf16, fp8_e4m3, fp8_e5m2 (exact counts of what a real
