@@ -10,8 +10,9 @@ all alike); means of the timed steps:
 
   baseline     no profiler
   unsampled    attached, no step sampled (``sample_every`` larger than the run)
-  sampled      every step sampled, the Profiler's defaults (memory measured on 1 sampled step in 4,
-               ``memory_every``; the block what-if's groups adapted to its budget)
+  sampled      every step sampled, the Profiler's defaults (memory measured on the first 2 sampled steps, then
+               on every 4th, spacing out to every 32nd while the measured steps agree, ``memory_every``; the block
+               what-if's groups adapted to its budget)
   -blocks      ... without the block-format what-if (``block_formats=False``)
   fixed deal   every step sampled, the layers dealt into ``FIXED`` (3) block groups, as in each of:
   memory each  ... with memory measured on every sampled step (``memory_every=1``): what a sampled step
@@ -113,7 +114,10 @@ CONFIGS: dict[str, dict[str, Any]] = {
 PARTS = {  # part: (the configuration with it, the one without)
     "row statistics": ("fixed deal", "-rows"),
     "block what-if": ("sampled", "-blocks"),
-    "memory tracking (1 sampled step in 4, the default)": ("fixed deal", "-memory"),
+    "memory tracking (the default cadence, every 4th sampled step spacing out to every 32nd)": (
+        "fixed deal",
+        "-memory",
+    ),
     "weight-update sample": ("fixed deal", "-updates"),
     "stream (the flush pickled in Profiler.step, the writer process beside the steps)": (
         "fixed deal",

@@ -709,7 +709,8 @@ def test_one_module_pattern_or_type_alone_is_that_one_not_its_characters(spec: A
         (
             {"memory_every": np.float64(1.5)},
             TypeError,
-            "Profiler(memory_every=np.float64(1.5)): expected a whole number >= 1 (1: every sampled step), got "
+            "Profiler(memory_every=np.float64(1.5)): expected a whole number >= 1 (1: every sampled step) or None "
+            "(every 4th, spacing out to every 32nd while they agree), got "
             "float64; round it: int(...)",
         ),
         # a GradScaler's state_dict (a dict: it has an update() too) is no scaler

@@ -287,3 +287,73 @@ def test_a_loaders_smaller_last_batch_is_not_the_memory_the_report_shows(tmp_pat
         "Step 4 is shown: of the 4 measured steps it held the most. The last, step 5 (measured because its "
         f"inputs had new shapes), held {F.nbytes(less)} less."
     )
+
+
+def _grad_bytes(mem: pd.DataFrame, step: int) -> int:
+    at = mem[(mem[T.STEP] == step) & (mem[T.COMPONENT] == T.GRADIENTS)]
+    return int(at[T.BYTES].sum())
+
+
+def test_the_default_cadence_spaces_out_while_measured_steps_agree() -> None:
+    """By default the cadence starts at every 4th sampled step and doubles its spacing each time a step it
+    measures holds what the last one of the same shapes held, up to every 32nd: 5 of 60 steady steps measured
+    instead of 16, each with the rows of a Profiler that measures every step, so the memory the report reads is
+    the same."""
+    from precprof.report.environment import memory_setting
+
+    base = _mlp()
+    batches = [4] * 60
+    prof = _train(copy.deepcopy(base), batches, sample_every=1)
+    every = _train(copy.deepcopy(base), batches, sample_every=1, memory_every=1)
+    fixed = _train(copy.deepcopy(base), batches, sample_every=1, memory_every=4)
+    mem, mem_all = prof.tables()["memory"], every.tables()["memory"]
+    assert sorted(set(mem[T.STEP])) == [0, 1, 9, 25, 57]
+    assert len(set(fixed.tables()["memory"][T.STEP])) == 16  # a fixed cadence: 0, 1, 5, 9, ..., 57
+    for step in (0, 1, 9, 25, 57):
+        assert _rows(mem, step) == _rows(mem_all, step)
+    assert _rows(mem, 57) == _rows(mem_all, 30)  # what every step between held
+    info = prof.summary()["memory_steps"]
+    assert info["adaptive"] and info["every"] == 4 and info["every_now"] == 32 and info["max_every"] == 32
+    assert [c["every"] for c in info["spacing_changes"]] == [8, 16, 32]
+    assert not fixed.summary()["memory_steps"]["adaptive"]
+    said = memory_setting(info)
+    assert "spacing out to every 32nd" in said and "(every 32nd at the end)" in said and "5 of 60" in said
+    assert "spacing out" not in memory_setting(fixed.summary()["memory_steps"])
+
+
+def test_a_measured_step_that_differs_brings_the_cadence_back_to_every_4th() -> None:
+    """The first layer frozen after step 12: step 25, the next one the spaced-out cadence measures, holds fewer
+    gradient bytes than step 9 did; the spacing goes back to 4 and spaces out again from there."""
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    prof = Profiler(model, optimizer=opt, block_formats=False, sample_every=1)
+    gen = torch.Generator().manual_seed(1)
+    with prof:
+        for step in range(60):
+            if step == 13:
+                model[0].requires_grad_(False)
+            loss = model(torch.randn(4, 16, generator=gen)).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            prof.step(loss=loss.detach())
+    mem = prof.tables()["memory"]
+    assert sorted(set(mem[T.STEP])) == [0, 1, 9, 25, 29, 37, 53]
+    assert _grad_bytes(mem, 25) < _grad_bytes(mem, 9)
+    changes = [(c["step"], c["every"]) for c in prof.summary()["memory_steps"]["spacing_changes"]]
+    assert changes == [(1, 8), (9, 16), (25, 4), (29, 8), (37, 16), (53, 32)]
+
+
+def test_without_watching_shapes_the_default_cadence_stays_fixed() -> None:
+    """Under torch.distributed the shapes are not watched: every rank must measure the same steps, and what one
+    rank measured may differ from another's, so the cadence never spaces out."""
+    sched = MemorySchedule(every=None, watch_shapes=False)
+    model = _mlp()
+    rows = [{T.STEP: 0, T.COMPONENT: T.PARAMETERS, T.BYTES: 64}]
+    for step in range(20):
+        sched.begin(step, True, model, lambda root, args, kwargs: None)
+        model(torch.randn(4, 16))
+        sched.done(step)
+        if sched.measured and sched.measured[-1] == step:
+            sched.result(step, [{**r, T.STEP: step} for r in rows])
+    assert sched.measured == [0, 1, 5, 9, 13, 17] and sched.spacing == 4

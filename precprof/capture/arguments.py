@@ -206,7 +206,9 @@ CHECKS: dict[str, Callable[[str, str, Any], Any]] = {
     "overhead_budget": _positive("the share of the run's time precprof may add: 0.03 for 3%", most=1.0),
     "modules": modules_filter,
     "memory": _flag(),
-    "memory_every": _integer(1, "1: every sampled step"),
+    "memory_every": _integer(
+        1, "1: every sampled step", "every 4th, spacing out to every 32nd while they agree"
+    ),
     "memory_peak": _flag("on CUDA, off on the CPU"),
     "reset_peak_memory": _flag(),
     "weight_updates": _flag(),

@@ -38,7 +38,7 @@ class PartsAssembly:
     memory_enabled: bool
     memory_peak: bool | None
     reset_peak_memory: bool
-    memory_every: int
+    memory_every: int | None
     weight_updates: bool
     update_sample: int
     chunk: int | None

@@ -113,7 +113,8 @@ class MemoryTracker(SavedActivations):
     the objects holding precprof's own device buffers, named ``profiler_buffers`` at the peak.
     ``reset_peaks``: reset the process's CUDA peak counters at phase boundaries (exact counter peaks per phase
     where there is no replay); only where no one else reads them, i.e. in precprof's own loop.
-    ``every``, ``watch_shapes``: which sampled steps are measured (``capture/memory_schedule.py``; 1: all).
+    ``every``, ``watch_shapes``: which sampled steps are measured (``capture/memory_schedule.py``; 1: all; None:
+    a cadence that spaces out while the measured steps agree).
     """
 
     def __init__(
@@ -124,7 +125,7 @@ class MemoryTracker(SavedActivations):
         peak: bool | None = None,
         own: Callable[[], Iterable[Any]] | None = None,
         reset_peaks: bool = False,
-        every: int = 1,
+        every: int | None = 1,
         watch_shapes: bool = True,
     ) -> None:
         self.schedule = MemorySchedule(every, watch_shapes)
@@ -413,6 +414,8 @@ class MemoryTracker(SavedActivations):
         self._input_keys = set()
         self._grads.reset()
         self._sampled = False
+        if kept:
+            self.schedule.result(step, rows)
         return rows if kept else []
 
     def end_hooks(self, keep: bool = False) -> None:

@@ -77,6 +77,8 @@ class Profiler(PartsAssembly, ProfilerResults, OptimizerSwitch):
         memory_every: which sampled steps measure memory: the first two, every ``memory_every``-th after them,
             and any whose model inputs have shapes no measured step had, from its forward on
             (``capture/memory_schedule.py``: a step's memory changes with its shapes). 1: every sampled step.
+            None (the default): every 4th, spacing out to every 32nd while measured steps of the same shapes
+            hold the same memory, and back to every 4th when one does not.
         memory_peak: also replay the allocator's events of sampled steps: each phase's peak and what was
             allocated at the step's peak, by part (``capture.peak``). None (the default): on CUDA (the caching
             allocator's history; host calls only), off on the CPU (it needs torch.profiler's memory events, and
@@ -159,7 +161,7 @@ class Profiler(PartsAssembly, ProfilerResults, OptimizerSwitch):
         overhead_budget: float = DEFAULT_BUDGET,
         modules: ModuleFilter | str | type[nn.Module] = None,
         memory: bool = True,
-        memory_every: int = 4,
+        memory_every: int | None = None,
         memory_peak: bool | None = None,
         reset_peak_memory: bool = False,
         weight_updates: bool = True,

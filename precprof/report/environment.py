@@ -1078,10 +1078,16 @@ def memory_setting(v: Mapping[str, Any], resumed: int | None = None) -> str:
     ``resumed``: the step the last attempt of a resumed run began at, whose counts these are (the earlier
     attempts' measurements are in the memory table)."""
     every = _int(v.get("every")) or 1
+    most, now = _int(v.get("max_every")), _int(v.get("every_now"))
     if every == 1:
         text = "every sampled step"
     else:
         text = f"the first 2 sampled steps and every {F.ordinal(every)} after them"
+        if v.get("adaptive") and most and most > every:
+            text += (
+                f", spacing out to every {F.ordinal(most)} while each held the same memory as the last of its "
+                f"input shapes (every {F.ordinal(now or every)} at the end)"
+            )
         if v.get("shapes_watched"):
             text += ", and any sampled step whose inputs had shapes no measured step had"
     n, of, last = _int(v.get("measured_steps")), _int(v.get("sampled_steps")), _int(v.get("last_measured"))
