@@ -128,13 +128,21 @@ def test_a_layer_unfrozen_and_frozen_again_is_not_called_frozen() -> None:
     assert "False on sampled steps 0\u20131, True on 2\u20133, False on 4\u20135; False at the end" in tip
     assert rows["3"]["trainable_changed"][0] == "weight, bias had gradients on sampled steps 0\u20135"
     assert rows["2"]["frozen"] == ["weight", "bias"] and rows["2"]["trainable_changed"] is None
-    # the memory textbook's gradients are of those that trained on the step measured (the last), not at the end
+    # the memory textbook's gradients are of those that trained on the step it reads, not at the end: memory is
+    # measured on the step after each change (3 and 5: ``MemorySchedule.changed``), and step 3, with ``mid``
+    # training, held the most
     memory = memory_projection.project(prof.tables()["memory"], summary, facts=prof._tracker.model_facts())
     saved = {**summary, T.SUMMARY_MEMORY: memory}
-    assert memory["step"] == 5 and memory["model"]["n_trainable"] == 0  # (memory.model: the end's)
+    assert sorted(set(prof.tables()["memory"][T.STEP])) == [0, 1, 3, 5]
+    assert memory["step"] == 3 and memory["model"]["n_trainable"] == 0  # (memory.model: the end's)
     textbook = next(a for a in memory["assumptions"] if a.startswith("Textbook"))
-    assert f"the gradients' N is the {n_rest:,} of {n_all:,} parameters that train on step 5, " in textbook
-    assert environment.trainable(saved, 5) == (n_rest, n_all) and environment.trainable(saved) == (0, n_all)
+    n_3 = n_rest + n_mid
+    assert f"the gradients' N is the {n_3:,} of {n_all:,} parameters that train on step 3, " in textbook
+    assert environment.trainable(saved, 3) == (n_3, n_all) and environment.trainable(saved, 5) == (
+        n_rest,
+        n_all,
+    )
+    assert environment.trainable(saved) == (0, n_all)
     assert environment.trainable_changes_said(summary) == (
         f"requires_grad changed during the run: {n_rest} parameters trainable on sampled steps 0\u20131, "
         f"{n_rest + n_mid} on 2\u20133, {n_rest} on 4\u20135 (at most {n_rest + n_mid} at once)"

@@ -322,26 +322,45 @@ def test_the_default_cadence_spaces_out_while_measured_steps_agree() -> None:
 
 
 def test_a_measured_step_that_differs_brings_the_cadence_back_to_every_4th() -> None:
-    """The first layer frozen after step 12: step 25, the next one the spaced-out cadence measures, holds fewer
-    gradient bytes than step 9 did; the spacing goes back to 4 and spaces out again from there."""
+    """Rows that differ from the last measured step's of the same shapes (a cache that grows, no parameter
+    frozen) at step 25, the next one the spaced-out cadence measures: the spacing goes back to 4 and spaces out
+    again from there."""
+    sched = MemorySchedule(every=None)
+    model = _mlp()
+    for step in range(60):
+        sched.begin(step, True, model, lambda root, args, kwargs: None)
+        model(torch.randn(4, 16))
+        sched.done(step)
+        if sched.measured and sched.measured[-1] == step:
+            held = 64 if step < 20 else 96
+            sched.result(step, [{T.STEP: step, T.COMPONENT: T.ACTIVATIONS, T.BYTES: held}])
+    assert sched.measured == [0, 1, 9, 25, 29, 37, 53]
+    assert sched.widened == [(1, 8), (9, 16), (25, 4), (29, 8), (37, 16), (53, 32)]
+
+
+def test_a_layer_frozen_has_the_next_sampled_step_measured() -> None:
+    """The first layer frozen before step 13, with the cadence spaced out to every 16th (next due: 25): the
+    trainable parameters step 13 found differ from step 12's, so step 14 is measured, holds fewer gradient bytes
+    than step 9, and the spacing goes back to 4 and spaces out again from there. The same with the layer
+    unfrozen again at step 30: 31 is measured."""
     model = _mlp()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     prof = Profiler(model, optimizer=opt, block_formats=False, sample_every=1)
     gen = torch.Generator().manual_seed(1)
     with prof:
         for step in range(60):
-            if step == 13:
-                model[0].requires_grad_(False)
+            if step in (13, 30):
+                model[0].requires_grad_(step == 30)
             loss = model(torch.randn(4, 16, generator=gen)).square().mean()
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
             prof.step(loss=loss.detach())
     mem = prof.tables()["memory"]
-    assert sorted(set(mem[T.STEP])) == [0, 1, 9, 25, 29, 37, 53]
-    assert _grad_bytes(mem, 25) < _grad_bytes(mem, 9)
+    assert sorted(set(mem[T.STEP])) == [0, 1, 9, 14, 18, 26, 31, 35, 43, 59]
+    assert _grad_bytes(mem, 14) < _grad_bytes(mem, 9) == _grad_bytes(mem, 31)
     changes = [(c["step"], c["every"]) for c in prof.summary()["memory_steps"]["spacing_changes"]]
-    assert changes == [(1, 8), (9, 16), (25, 4), (29, 8), (37, 16), (53, 32)]
+    assert changes == [(1, 8), (9, 16), (14, 4), (18, 8), (26, 16), (31, 4), (35, 8), (43, 16), (59, 32)]
 
 
 def test_without_watching_shapes_the_default_cadence_stays_fixed() -> None:

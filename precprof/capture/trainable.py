@@ -25,6 +25,7 @@ What the summary says (``module_entry``, ``TrainedSeen.summary``):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -69,6 +70,9 @@ class TrainedSeen:
         # the plan's parameters, a shared storage once, found once per plan (their storages looked up on every
         # sampled step took 175 us of a 100-block model's)
         self._distinct: tuple[Any, list[tuple[torch.Tensor, int]]] | None = None
+        # called when a sampled step's trainable elements differ from the sampled step's before (layers unfrozen:
+        # the memory schedule measures the next sampled step, ``MemorySchedule.changed``)
+        self.on_change: Callable[[], None] | None = None
 
     def note(self, step: int, hooks: Any) -> None:
         """The sampled step ``step`` ends: its parameters as ``hooks`` (``capture.hooks.StepHooks``) read them."""
@@ -85,6 +89,8 @@ class TrainedSeen:
         if self._distinct is None or self._distinct[0] is not plan:
             self._distinct = (plan, distinct(plan.held))
         n = sum(numel for p, numel in self._distinct[1] if p.requires_grad)
+        if self._numel and self._numel[-1][2] != n and self.on_change is not None:
+            self.on_change()
         if self._numel and self._numel[-1][2] == n and self._numel[-1][1] == last:
             self._numel[-1][1] = step
         else:
