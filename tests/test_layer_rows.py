@@ -129,11 +129,11 @@ def test_a_layer_unfrozen_and_frozen_again_is_not_called_frozen() -> None:
     assert rows["3"]["trainable_changed"][0] == "weight, bias had gradients on sampled steps 0\u20135"
     assert rows["2"]["frozen"] == ["weight", "bias"] and rows["2"]["trainable_changed"] is None
     # the memory textbook's gradients are of those that trained on the step it reads, not at the end: memory is
-    # measured on the step after each change (3 and 5: ``MemorySchedule.changed``), and step 3, with ``mid``
-    # training, held the most
+    # measured on the step after ``mid`` first trained (3: ``MemorySchedule.trains``; frozen again on 4, it trains
+    # as many as steps 0-1, measured), and step 3, with ``mid`` training, held the most
     memory = memory_projection.project(prof.tables()["memory"], summary, facts=prof._tracker.model_facts())
     saved = {**summary, T.SUMMARY_MEMORY: memory}
-    assert sorted(set(prof.tables()["memory"][T.STEP])) == [0, 1, 3, 5]
+    assert sorted(set(prof.tables()["memory"][T.STEP])) == [0, 1, 3]
     assert memory["step"] == 3 and memory["model"]["n_trainable"] == 0  # (memory.model: the end's)
     textbook = next(a for a in memory["assumptions"] if a.startswith("Textbook"))
     n_3 = n_rest + n_mid

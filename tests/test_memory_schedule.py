@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import html
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import pandas as pd
@@ -338,29 +339,44 @@ def test_a_measured_step_that_differs_brings_the_cadence_back_to_every_4th() -> 
     assert sched.widened == [(1, 8), (9, 16), (25, 4), (29, 8), (37, 16), (53, 32)]
 
 
-def test_a_layer_frozen_has_the_next_sampled_step_measured() -> None:
-    """The first layer frozen before step 13, with the cadence spaced out to every 16th (next due: 25): the
-    trainable parameters step 13 found differ from step 12's, so step 14 is measured, holds fewer gradient bytes
-    than step 9, and the spacing goes back to 4 and spaces out again from there. The same with the layer
-    unfrozen again at step 30: 31 is measured."""
+def _train_freezing(frozen: Callable[[int], bool], steps: int = 60) -> Profiler:
+    """An MLP trained with SGD for ``steps`` sampled steps, its first layer frozen on the steps ``frozen`` says."""
     model = _mlp()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     prof = Profiler(model, optimizer=opt, block_formats=False, sample_every=1)
     gen = torch.Generator().manual_seed(1)
     with prof:
-        for step in range(60):
-            if step in (13, 30):
-                model[0].requires_grad_(step == 30)
+        for step in range(steps):
+            model[0].requires_grad_(not frozen(step))
             loss = model(torch.randn(4, 16, generator=gen)).square().mean()
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
             prof.step(loss=loss.detach())
+    return prof
+
+
+def test_a_layer_frozen_has_the_next_sampled_step_measured() -> None:
+    """The first layer frozen from step 13 to 29, with the cadence spaced out to every 16th (next due: 25): step
+    13 trains fewer parameters than any measured step did, so step 14 is measured, holds fewer gradient bytes
+    than step 9, and the spacing goes back to 4 and spaces out again from there. Unfrozen at step 30, it trains
+    as many as steps 0-9 did: nothing is forced, and the cadence's next step (42) finds the difference."""
+    prof = _train_freezing(lambda step: 13 <= step < 30)
     mem = prof.tables()["memory"]
-    assert sorted(set(mem[T.STEP])) == [0, 1, 9, 14, 18, 26, 31, 35, 43, 59]
-    assert _grad_bytes(mem, 14) < _grad_bytes(mem, 9) == _grad_bytes(mem, 31)
+    assert sorted(set(mem[T.STEP])) == [0, 1, 9, 14, 18, 26, 42, 46, 54]
+    assert _grad_bytes(mem, 14) < _grad_bytes(mem, 9) == _grad_bytes(mem, 42)
     changes = [(c["step"], c["every"]) for c in prof.summary()["memory_steps"]["spacing_changes"]]
-    assert changes == [(1, 8), (9, 16), (14, 4), (18, 8), (26, 16), (31, 4), (35, 8), (43, 16), (59, 32)]
+    assert changes == [(1, 8), (9, 16), (14, 4), (18, 8), (26, 16), (42, 4), (46, 8), (54, 16)]
+
+
+def test_a_loop_that_freezes_a_layer_every_other_step_spaces_out_as_a_steady_one() -> None:
+    """A GAN-like loop whose trainable parameters alternate every step: steps 0 and 1 measured both sets, so no
+    step is forced, and the cadence spaces out as a steady run's, from step 1 (which held less than step 0: no
+    widening there): every step it measures is odd, its rows equal to step 1's."""
+    prof = _train_freezing(lambda step: step % 2 == 1)
+    mem = prof.tables()["memory"]
+    assert sorted(set(mem[T.STEP])) == [0, 1, 5, 13, 29]
+    assert _grad_bytes(mem, 0) > _grad_bytes(mem, 1) == _grad_bytes(mem, 29)
 
 
 def test_without_watching_shapes_the_default_cadence_stays_fixed() -> None:

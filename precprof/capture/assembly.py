@@ -131,9 +131,7 @@ class PartsAssembly:
                 watch_shapes=self._reducer is None,  # every rank measures the same steps
             )
             self._tracker.attach()
-            self._loop.trained.on_change = (
-                self._tracker.schedule.changed
-            )  # (unfrozen layers: memory measured)
+            self._loop.trained.on_trainable = self._tracker.schedule.trains  # (layers unfrozen: measured)
         self._collector = Collector(
             plan,
             self._buffer,

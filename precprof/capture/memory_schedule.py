@@ -16,7 +16,8 @@ measured step that differs (a loop keeping each step's loss, layers unfrozen, a 
 spacing back to 4. A run of steady shapes then measures about 6 of its first 64 sampled steps instead of 17; what
 the report reads (the measured step that held the most) is the same. Layers frozen or unfrozen (a parameter's
 ``requires_grad``) change what a step holds without changing its shapes: the sampled step after the one that first
-trains other parameters is measured, whatever the spacing (``changed``). Under torch.distributed (no watch: every
+trains a number of parameters no measured step trained is measured, whatever the spacing (``trains``: a loop
+that alternates two sets, as a GAN's, has both measured once, not every step). Under torch.distributed (no watch: every
 rank must measure the same steps) the cadence stays fixed, and it alone decides.
 
 The inputs' shapes are read by a forward pre-hook on the model's root, installed for sampled steps only (a
@@ -104,7 +105,8 @@ class MemorySchedule:
         self._watched: nn.Module | None = None  # the model the watch is on (``_handle``)
         self._armed = False
         self._step = -1
-        self._changed = False  # the step in progress trains other parameters than the sampled step before
+        self._trains: int | None = None  # the trainable elements of the step in progress (``trains``)
+        self._trains_known: set[int] = set()  # ... of the steps measured
 
     def begin(
         self,
@@ -127,7 +129,7 @@ class MemorySchedule:
             return False
         if not again:
             self._begun += 1
-            self._changed = False
+            self._trains = None
         k = self._begun - 1
         self.measuring = self._due = self.every == 1 or k < FIRST or k >= self._next_due
         self._for_shapes = self._for_evaluation = False
@@ -230,20 +232,23 @@ class MemorySchedule:
                 self.new_shapes.append(step)
             if self._due and self._begun - 1 >= FIRST:
                 self._next_due = self._begun - 1 + self.spacing
-        elif self._changed:
+            if self._trains is not None and len(self._trains_known) < MAX_SIGNATURES:
+                self._trains_known.add(self._trains)
+        elif self._trains is not None and self.watch_shapes and self._trains not in self._trains_known:
             self._next_due = min(
                 self._next_due, self._begun
             )  # the next sampled step: it holds other gradients
-        self._changed = False
+        self._trains = None
         self._step = -1
         return not self._for_evaluation
 
-    def changed(self) -> None:
-        """The sampled step in progress trains other parameters than the sampled step before (layers frozen or
-        unfrozen, ``capture/trainable.py``): where it is not measured, the next sampled step is, whatever the
-        cadence's spacing (its rows, other than the last measured step's, then bring the spacing back to
-        ``every``). Not under torch.distributed (no watch): every rank must measure the same steps."""
-        self._changed = self.watch_shapes
+    def trains(self, n: int) -> None:
+        """The sampled step in progress trains ``n`` elements (``capture/trainable.py``, at its end, before
+        :meth:`done`). Where no measured step trained as many (layers frozen or unfrozen) and this one is not
+        measured, the next sampled step is, whatever the cadence's spacing (its rows, other than the last
+        measured step's, then bring the spacing back to ``every``). Not under torch.distributed (no watch): every
+        rank must measure the same steps."""
+        self._trains = n
 
     def result(self, step: int, rows: list[dict[str, Any]]) -> None:
         """The memory ``rows`` the measured ``step`` kept (after :meth:`done`): where the cadence adapts, the same

@@ -70,9 +70,9 @@ class TrainedSeen:
         # the plan's parameters, a shared storage once, found once per plan (their storages looked up on every
         # sampled step took 175 us of a 100-block model's)
         self._distinct: tuple[Any, list[tuple[torch.Tensor, int]]] | None = None
-        # called when a sampled step's trainable elements differ from the sampled step's before (layers unfrozen:
-        # the memory schedule measures the next sampled step, ``MemorySchedule.changed``)
-        self.on_change: Callable[[], None] | None = None
+        # told each sampled step's trainable elements (the memory schedule's: a step that trains a number no
+        # measured step trained has the next one measured, ``MemorySchedule.trains``)
+        self.on_trainable: Callable[[int], None] | None = None
 
     def note(self, step: int, hooks: Any) -> None:
         """The sampled step ``step`` ends: its parameters as ``hooks`` (``capture.hooks.StepHooks``) read them."""
@@ -89,8 +89,8 @@ class TrainedSeen:
         if self._distinct is None or self._distinct[0] is not plan:
             self._distinct = (plan, distinct(plan.held))
         n = sum(numel for p, numel in self._distinct[1] if p.requires_grad)
-        if self._numel and self._numel[-1][2] != n and self.on_change is not None:
-            self.on_change()
+        if self.on_trainable is not None:
+            self.on_trainable(n)
         if self._numel and self._numel[-1][2] == n and self._numel[-1][1] == last:
             self._numel[-1][1] = step
         else:
