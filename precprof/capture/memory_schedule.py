@@ -235,9 +235,8 @@ class MemorySchedule:
             if self._trains is not None and len(self._trains_known) < MAX_SIGNATURES:
                 self._trains_known.add(self._trains)
         elif self._trains is not None and self.watch_shapes and self._trains not in self._trains_known:
-            self._next_due = min(
-                self._next_due, self._begun
-            )  # the next sampled step: it holds other gradients
+            # the next sampled step: it holds other gradients than any measured step
+            self._next_due = min(self._next_due, self._begun)
         self._trains = None
         self._step = -1
         return not self._for_evaluation
