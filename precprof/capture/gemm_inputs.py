@@ -74,7 +74,7 @@ class GemmInputs:
                 self.buffer.accumulate_blocks(_readable(made), found[1])
         elif slot.input >= 0 and self._add(local := _readable(x), slot.input):
             if turn and slot.input_blocks:
-                self.buffer.accumulate_blocks(local, slot.input)
+                self.buffer.accumulate_blocks(local, slot.input, read=True)
             self.rows.seen(slot.input, x.dtype)
             self.has_data = True
             slot.model_input |= id(x) in self._model_inputs

@@ -568,7 +568,7 @@ class StepHooks(TrainingForward, GradientReads, GemmInputs, StepAttempts, Output
                 owner.buffer.accumulate(x, row)
             elif owner._add(x, row):
                 if gemm_blocks and slot.block_group == owner.turn:
-                    owner.buffer.accumulate_blocks(x, row)
+                    owner.buffer.accumulate_blocks(x, row, read=True)
                 owner.rows.seen(row, g.dtype)
             return None
 

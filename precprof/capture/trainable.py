@@ -70,6 +70,11 @@ class TrainedSeen:
         # the plan's parameters, a shared storage once, found once per plan (their storages looked up on every
         # sampled step took 175 us of a 100-block model's)
         self._distinct: tuple[Any, list[tuple[torch.Tensor, int]]] | None = None
+        # the sampled steps since the last change, in one state per parameter: [plan, states (per parameter of the
+        # plan, ``(requires_grad, had a gradient)``), first step, last step, the sampled step before the first],
+        # added to ``_runs`` when the states change or the runs are read (``_settle``): a step in the states of
+        # the one before costs a comparison, not a run's update per parameter
+        self._segment: list[Any] | None = None
         # told each sampled step's trainable elements (the memory schedule's: a step that trains a number no
         # measured step trained has the next one measured, ``MemorySchedule.trains``)
         self.on_trainable: Callable[[int], None] | None = None
@@ -81,11 +86,19 @@ class TrainedSeen:
             return
         calls, skipped = hooks.rows.calls, hooks.buffer.skipped
         last = self._last
-        for ps in plan.params:
-            g = ps.grad_row
-            state = (bool(ps.tensor.requires_grad), bool(g >= 0 and (calls[g] or skipped[g])))
-            runs = self._runs.setdefault((ps.module, ps.param), [])
-            _extend(runs, step, last, state)
+        states = tuple(
+            (bool(ps.tensor.requires_grad), bool(g >= 0 and (calls[g] or skipped[g])))
+            for ps in plan.params
+            for g in (ps.grad_row,)
+        )
+        seg = self._segment
+        if seg is not None and seg[0] is plan and seg[1] == states and seg[3] == last:
+            seg[3] = (
+                step  # (the same states as the sampled step before: the segment goes on, nothing per parameter)
+            )
+        else:
+            self._settle()
+            self._segment = [plan, states, step, step, last]
         if self._distinct is None or self._distinct[0] is not plan:
             self._distinct = (plan, distinct(plan.held))
         n = sum(numel for p, numel in self._distinct[1] if p.requires_grad)
@@ -97,11 +110,23 @@ class TrainedSeen:
             self._numel.append([step, step, n])
         self._last = step
 
+    def _settle(self) -> None:
+        """The pending segment of sampled steps (``_segment``) added to each parameter's runs."""
+        seg, self._segment = self._segment, None
+        if seg is None:
+            return
+        plan, states, first, last, before = seg
+        for ps, state in zip(plan.params, states, strict=True):
+            runs = self._runs.setdefault((ps.module, ps.param), [])
+            _extend(runs, first, before, state)
+            runs[-1][1] = last
+
     def resumed(self, layers: pd.DataFrame) -> None:
         """The sampled steps of a resumed run's earlier attempts (``layers``: their rows, before the step it
         resumed at), before any of its own: per parameter with a weight row on a step, whether a gradient was
         read there (a ``weight_grad`` row with calls). Its ``requires_grad`` there was not recorded: True where
         it had a gradient, else None (not known), from which no change is read (``runs``, ``frozen``)."""
+        self._settle()
         if layers.empty or T.CALLS not in layers:
             return
         step = pd.to_numeric(layers[T.STEP], errors="coerce").to_numpy()
@@ -141,6 +166,7 @@ class TrainedSeen:
         """Where ``module``'s ``param``'s ``requires_grad`` changed over the sampled steps or after the last of
         them (``tensor``: the parameter, read now): its runs (``runs``) and its ``requires_grad`` now (``end``);
         None where it did not."""
+        self._settle()
         runs = self._runs.get((module, param))
         end = bool(tensor.requires_grad)
         if not runs or {r[2] for r in runs} - {None} <= {end}:  # (None: an earlier attempt's, not known)
@@ -152,6 +178,7 @@ class TrainedSeen:
         step, and no gradient read on any (with no sampled step seen: False now)."""
         if tensor.requires_grad:
             return False
+        self._settle()
         return not any(r[2] or r[3] for r in self._runs.get((module, param), ()))
 
     def summary(self, model: Any) -> dict[str, Any]:

@@ -437,7 +437,7 @@ class StatsBuffer:
                     p.reset(slice(row, row + 1))
         part.add(x, row, assign)
         if blocks:
-            self.accumulate_blocks(x, row)
+            self.accumulate_blocks(x, row, read=True)
         return True
 
     def skip(self, row: int, why: str) -> None:
@@ -446,16 +446,17 @@ class StatsBuffer:
         self.skipped_total[row] += 1
         self.skipped_why[row] = why
 
-    def accumulate_blocks(self, x: torch.Tensor, row: int) -> None:
+    def accumulate_blocks(self, x: torch.Tensor, row: int, read: bool = False) -> None:
         """Add only the block-format what-if of ``x`` into ``row`` (a tensor whose other statistics were
         accumulated already, e.g. a module's output that a linear layer then reads). Never syncs; a tensor
-        that is not fp32/bf16/fp16 with ndim >= 2 and data, or on ``meta``, is not evaluated.
+        that is not fp32/bf16/fp16 with ndim >= 2 and data, or on ``meta``, is not evaluated. ``read``: the
+        caller's engine just read ``x`` (``unreadable`` said None), not asked again (a hook's, per tensor).
 
         ``block_timer`` takes what the call costs: on a CUDA device the kernels' time, elsewhere the whole
         call's (its checks and lookups too: for small tensors they cost as much as the kernel)."""
         t0 = time.perf_counter()
         dev = x.device
-        if unreadable(x) is not None or not (x.dim() >= 2 and x.numel() > 0 and x.dtype in _BLOCK_DTYPES):
+        if not (x.dim() >= 2 and x.numel() > 0 and x.dtype in _BLOCK_DTYPES) or (not read and unreadable(x)):
             return
         if self._block_slot[row] < 0:  # a row without a slot holds no block statistics
             return
