@@ -341,7 +341,11 @@ class StepHooks(TrainingForward, GradientReads, GemmInputs, StepAttempts, Output
         calls, skipped = self.rows.calls, self.buffer.skipped
         if not self.installed or not any(ps.tensor.requires_grad for ps in self.plan.params):
             return
-        reached = [calls[r] or skipped[r] for r in range(len(calls))]
+        # (the rows' calls as they are where no tensor was skipped, as a sampled step's usually is: one numpy
+        # call, not an element of it read per row)
+        reached = (
+            calls if not skipped.any() else [c or k for c, k in zip(calls, skipped.tolist(), strict=False)]
+        )
         if not any(map(reached.__getitem__, self._weight_grad_rows)):
             if any(map(calls.__getitem__, self._grad_rows)):  # (an output's gradient, then)
                 self.weight_grads_unread += 1
