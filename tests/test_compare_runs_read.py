@@ -106,9 +106,11 @@ def test_a_killed_run_is_read_as_its_report_reads_it(
     parts = [c for c in killed.memory if c not in T.MEMORY_PEAK_COMPONENTS]
     assert T.ACTIVATIONS in parts and killed.memory_total == sum(killed.memory[c] for c in parts)
     assert killed.status == T.STATUS_INCOMPLETE
-    assert killed.reason is not None and killed.reason.startswith(f"cut off after step {KILL_AFTER}: killed")
+    assert killed.reason is not None and killed.reason.startswith(
+        f"record ends after step {KILL_AFTER}: killed"
+    )
     html = page.read_text()
-    assert "running (pid" not in html and f"cut off after step {KILL_AFTER}" in html
+    assert "running (pid" not in html and f"record ends after step {KILL_AFTER}: killed" in html
 
 
 @RUNS

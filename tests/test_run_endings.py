@@ -147,3 +147,62 @@ def test_a_streamed_run_flushes_its_unsampled_steps_every_few_seconds(
     prof.detach()
     prof.save()
     assert T.read_run(out).tables["steps"][T.STEP].tolist() == list(range(6))
+
+
+_KILLED_RARELY_SAMPLED = """
+import os, signal, sys, torch
+from torch import nn
+import precprof
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+prof = precprof.Profiler(model, opt, sample_every=10, out=sys.argv[1], memory=False).attach()
+for step in range(46):
+    loss = model(torch.randn(4, 8)).square().mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    prof.step(loss=loss.detach())
+os.kill(os.getpid(), signal.SIGKILL)  # 46 steps run, no save; those after the last sampled one still in the process
+"""
+
+
+def test_a_killed_run_says_where_its_record_ends_not_where_it_stopped(tmp_path: Path) -> None:
+    """A run sampled once in 10 steps and SIGKILLed (the OOM killer) 46 steps in: its unsampled steps reach the
+    disk at the next sampled step or every ``STREAM_STEPS_EVERY_S``, so the last step on disk is not where it
+    stopped. The page said "The run was cut off after step 39" or so; it says the record ends there and that the
+    run may have gone further, as compare's reason for it does."""
+    import signal
+    import subprocess
+
+    from precprof.analysis.comparison import runs as comparison_runs
+
+    out = tmp_path / "run"
+    res = subprocess.run(
+        [sys.executable, "-c", _KILLED_RARELY_SAMPLED, str(out)], capture_output=True, text=True, timeout=300
+    )
+    assert res.returncode == -signal.SIGKILL, res.stderr[-2000:]
+    deadline = time.monotonic() + 30
+    read = T.read_run(out)
+    while read.last_step is None and time.monotonic() < deadline:  # the writer process ends on its own
+        time.sleep(0.1)
+        read = T.read_run(out)
+    assert (
+        read.streamed and read.last_step is not None and read.last_step < 45
+    )  # the last steps never on disk
+    html = pipeline.rerender(out).read_text()
+    last = read.last_step
+    assert f"The run was cut off; its record ends after step {last}." in html
+    assert (
+        "(it may have run further: a step reaches the disk at the next sampled step or within seconds" in html
+    )
+    assert (
+        f"cut off after step {last}" not in html and f"before the run stopped, after step {last}" not in html
+    )
+    assert (
+        f"reached the disk before the run stopped: its record ends after step {last} ({last + 1} steps)"
+        in html
+    )
+    status, reason = comparison_runs._status(T.read_summary(out), read, live=False)
+    assert status == T.STATUS_INCOMPLETE and reason is not None
+    assert reason.startswith(f"record ends after step {last}: killed before it saved its tables"), reason

@@ -341,7 +341,7 @@ def test_killed_at_three_moments_every_flushed_step_is_readable(tmp_path: Path, 
         for n in read.notices:  # only a flush the kill cut short may be skipped
             assert "cut off while it was written" in n
         html = pipeline.rerender(out).read_text()
-        assert f"The run was cut off after step {read.last_step}" in html
+        assert f"The run was cut off; its record ends after step {read.last_step}." in html
         assert "Traceback" not in html
 
 
@@ -356,7 +356,7 @@ def test_precprof_report_on_a_killed_run(
     )
     assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr
     html = (out / T.REPORT_FILE).read_text()
-    assert "The run was cut off after step" in html
+    assert "The run was cut off; its record ends after step" in html
     assert (
         "ended before it could save, and no process holds the run directory now" in html
     )  # its process is gone
@@ -398,7 +398,7 @@ def test_a_run_killed_after_a_report_while_attached_keeps_every_flushed_step(tmp
     assert not (out / T.TABLE_FILES["steps"]).exists()
     assert f"snapshot as of step {peek_at}" in (out / T.REPORT_FILE).read_text()  # the look it took
     html = pipeline.rerender(out).read_text()
-    assert f"The run was cut off after step {read.last_step}" in html
+    assert f"The run was cut off; its record ends after step {read.last_step}." in html
 
 
 def test_a_save_into_another_runs_directory_is_refused_in_one_line(

@@ -293,9 +293,11 @@ def _status(summary: Mapping[str, Any], read: T.RunTables, live: bool) -> tuple[
             # the run's own folder; the exception's own "; " kept)
             cause = _UNSAVED_TAIL.sub("", said).strip()
             return T.STATUS_INCOMPLETE, f"cut off {where}: {cause}"
+        # killed: what it ran after the last step on disk is not known (a step reaches the disk at the next
+        # sampled step or within seconds), so its record ends there, not necessarily the run
+        ends = f"record ends {where}" if read.last_step is not None else f"cut off {where}"
         return T.STATUS_INCOMPLETE, (
-            f"cut off {where}: killed before it saved its tables, which are read from the parts it wrote while "
-            "training"
+            f"{ends}: killed before it saved its tables, which are read from the parts it wrote while training"
         )
     if not summary:
         return UNRECORDED, f"no {T.SUMMARY_FILE} in its run directory"
