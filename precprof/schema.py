@@ -189,7 +189,8 @@ WEIGHT_UPDATE = "weight_update"
 TENSOR_KINDS = (ACTIVATION, ACTIVATION_GRAD, WEIGHT, WEIGHT_GRAD, WEIGHT_UPDATE)
 GRADIENT_KINDS = (ACTIVATION_GRAD, WEIGHT_GRAD)
 # A linear layer's input that no captured module produced (an attention's output, a function's): recorded as
-# the activation of a pseudo-module named after the layer, so the block formats judge that operand too
+# the activation of a pseudo-module named after the layer, so the block formats judge that operand too; and the
+# input of a norm of the user's own code, whatever made it (a pre-norm block's residual sum: fp16_norm_overflow)
 INPUT_SUFFIX = ":input"
 INPUT_MODULE_TYPE = "(function output)"
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -25,10 +26,11 @@ def _train(
     loss_of: Callable[[nn.Module, torch.Tensor], torch.Tensor],
     keep: Sequence[str] = (),
     steps: int = 3,
+    recorded: list[tuple[dict[str, Any], dict[str, Any]]] | None = None,
 ) -> tuple[Recommendation, list[float]]:
     """``model`` trained ``steps`` steps under fp16 autocast on the CPU (AdamW, a GradScaler at 2^8, every step
     sampled), the modules ``keep`` names outside autocast; the advisor's recommendation for a V100 (fp16 its
-    verdict) and the losses."""
+    verdict) and the losses (and the run's tables and summary appended to ``recorded``)."""
     keep_in_fp32(model, keep)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
@@ -41,12 +43,10 @@ def _train(
             opt.zero_grad()
             losses.append(float(loss.detach()))
             prof.step(loss=loss.detach())
-    rec = recommend(
-        prof.tables(),
-        hardware="v100",
-        config=AdvisorConfig(small_model_params=0),
-        summary={T.SUMMARY_CAPTURE: prof.summary()},
-    )
+    tables, summary = prof.tables(), {T.SUMMARY_CAPTURE: prof.summary()}
+    if recorded is not None:
+        recorded.append((tables, summary))
+    rec = recommend(tables, hardware="v100", config=AdvisorConfig(small_model_params=0), summary=summary)
     return rec, losses
 
 
@@ -280,10 +280,13 @@ def test_a_norm_whose_fp16_square_overflows_is_critical_and_names_the_square() -
     """A hand-written RMSNorm squares its fp16 input: a row holding |x| >= 256 squares to inf, its mean is inf,
     and x * rsqrt(inf) zeros the whole row; no finding said so. fp16_norm_overflow, critical, names the norm,
     its x.pow(2), the count of values its input holds at or above 256 and the zeros (the test's own hooks count
-    both); its fix, the norm computed on x.float(), makes no zeros and no finding."""
+    both); its fix, the norm computed on x.float(), makes no zeros and no finding. The norm's input is read into
+    a row of its own (a user's norm); a run without that row (recorded before it existed) is told from the output
+    of the leaf before it, up, the same numbers."""
     model = _UpNormHead()
+    recorded: list[tuple[dict[str, Any], dict[str, Any]]] = []
     with _outputs(model, ["up", "norm"]) as seen:
-        rec, _ = _train(model, _rows, _mse)
+        rec, _ = _train(model, _rows, _mse, recorded=recorded)
     big = sum(int((y.abs() >= 256).sum()) for y in seen["up"])
     zeros = sum(int((y == 0).sum()) for y in seen["norm"])
     values = sum(y.numel() for y in seen["norm"])
@@ -293,7 +296,25 @@ def test_a_norm_whose_fp16_square_overflows_is_critical_and_names_the_square() -
     assert f is not None and f.severity == "critical" and f.modules == ["norm"]
     assert f.numbers["zeros"] == zeros and f.numbers["input_values_at_least_256"] == big
     assert f.title == f"norm's x.pow(2) overflows fp16: {zeros / values * 100:.3g}% of its output is 0"
-    assert f"its input, the fp16 output of up, holds {big:,} values of |x| >= 256" in f.message
+    assert f"its input, the fp16 tensor its forward received, holds {big:,} values of |x| >= 256" in f.message
+    ((tables, summary),) = recorded
+    layers = tables["layers"]
+    assert set(
+        layers.loc[layers[T.MODULE].astype(str).str.endswith(T.INPUT_SUFFIX), T.MODULE].astype(str)
+    ) == {
+        "up:input",
+        "norm:input",
+    }
+    older = {
+        **tables,
+        "layers": layers[layers[T.MODULE].astype(str) != "norm:input"],
+        "histograms": tables["histograms"][tables["histograms"][T.MODULE].astype(str) != "norm:input"],
+    }
+    told = recommend(older, hardware="v100", config=AdvisorConfig(small_model_params=0), summary=summary)
+    g = told.finding("fp16_norm_overflow")
+    assert g is not None and g.numbers == f.numbers
+    assert f"its input, the fp16 output of up, holds {big:,} values of |x| >= 256" in g.message
+    assert [(x.code, x.numbers) for x in told.findings] == [(x.code, x.numbers) for x in rec.findings]
     assert f.remedy.startswith("Compute the norm in fp32 inside norm: upcast its input before the square")
     fixed = _UpNormHead(fp32=True)
     with _outputs(fixed, ["norm"]) as after_seen:

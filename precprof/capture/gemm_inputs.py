@@ -72,8 +72,14 @@ class GemmInputs:
             self._read_from[(slot.activation, found[1])] = slot
             if turn and slot.input_blocks:  # read as the output that made it: several readers count it once
                 self.buffer.accumulate_blocks(_readable(made), found[1])
-        elif slot.input >= 0 and self._add(local := _readable(x), slot.input):
-            if turn and slot.input_blocks:
+        else:
+            self._own_input(slot, x, turn and slot.input_blocks)
+
+    def _own_input(self, slot: _ModuleSlot, x: torch.Tensor, blocks: bool = False) -> None:
+        """``x`` read into the row of ``slot``'s own input (``T.input_module``): a matmul's that no captured
+        module made, or the input of a user's own norm (``CapturePlan.of``: what its statistics square)."""
+        if slot.input >= 0 and self._add(local := _readable(x), slot.input):
+            if blocks:
                 self.buffer.accumulate_blocks(local, slot.input, read=True)
             self.rows.seen(slot.input, x.dtype)
             self.has_data = True

@@ -46,8 +46,7 @@ gradient of every linear layer of this step's group (``taxonomy.is_linear_type``
 for tied heads), and the output of any captured module that a linear layer then reads as its input (matched by
 tensor identity in the linear layer's pre-hook, so each such tensor is read once however many layers read it;
 it is recorded under the producing module's ``activation`` row). Nothing else: an activation no linear layer
-reads, a weight gradient, a norm's weight, are never quantised by such a GEMM.
-"""
+reads, a weight gradient, a norm's weight, are never quantised by such a GEMM."""
 
 from __future__ import annotations
 
@@ -435,7 +434,7 @@ class StepHooks(TrainingForward, GradientReads, GemmInputs, StepAttempts, Output
 
     # ------------------------------------------------------------------------------------------- hooks
     def _make_pre_hook(self, slot: _ModuleSlot) -> Callable[..., None]:
-        key = input_keyword(slot.module) if slot.reads_input else None  # its input's name, given by keyword
+        key = input_keyword(slot.module) if slot.input >= 0 else None  # its input's name, given by keyword
         fused = _compat.has_fused_path(slot.module)  # (``TrainingForward._fused_pre_hook``)
 
         def pre_hook(module: nn.Module, args: Any, kwargs: Any = None) -> None:
@@ -456,6 +455,8 @@ class StepHooks(TrainingForward, GradientReads, GemmInputs, StepAttempts, Output
             turn = slot.block_group == self.turn
             if slot.reads_input and isinstance(x, _Tensor):
                 self._gemm_input(slot, x, turn)
+            elif slot.input >= 0 and isinstance(x, _Tensor) and x.is_floating_point():
+                self._own_input(slot, x)  # a user's own norm's input (``CapturePlan.of``)
             if slot.call_shapes is not None and not slot.call_shapes_done:
                 slot.call_shapes.append(call_shape(slot, module, args, kwargs, x))
             if slot.order < 0:

@@ -75,6 +75,17 @@ def leave_out_input_names(plan: CapturePlan, warn: bool = True) -> None:
     plan.params = [p for p in plan.params if p.module not in clash]
 
 
+def reads_norm_input(module: nn.Module, module_type: str) -> bool:
+    """Whether a sampled step reads ``module``'s input into a row of its own (``T.input_module``): a norm of the
+    user's own code (torch's compute in fp32 inside). A hand-written RMSNorm squares its input in that input's
+    dtype, and in a pre-norm transformer that input is a residual sum, no module's output, which no other row
+    holds: in fp16 a value of |x| >= 256 squares to inf and zeroes the norm's row (the advisor's
+    ``fp16_norm_overflow``, which alone reads these rows)."""
+    return taxonomy.kind_of_type(module_type) == taxonomy.NORM and not type(module).__module__.startswith(
+        "torch."
+    )
+
+
 def can_have_grad(p: nn.Parameter) -> bool:
     """Whether ``p`` can ever have a gradient: a floating-point (or complex) parameter, whether it requires one
     now or not (a layer frozen at attach may be unfrozen later)."""
@@ -194,7 +205,7 @@ class CapturePlan:
             )
             # (autocast casts what a convolution reads as it does a linear layer's input; block-scaled GEMMs read
             # a linear layer's alone)
-            if slot.reads_input:
+            if slot.reads_input or reads_norm_input(module, mtype):
                 slot.input = rows.new(T.input_module(name), T.INPUT_MODULE_TYPE, T.ACTIVATION)
                 slot.input_blocks = block_formats and slot.gemm
             for pname, p in module.named_parameters(recurse=False):

@@ -33,7 +33,15 @@ from precprof import tables as T
 from precprof import taxonomy
 from precprof.analysis.advisor.config import AdvisorConfig
 from precprof.analysis.advisor.decide import _decide
-from precprof.analysis.advisor.evidence import _layer_dims, _matmul_leaves, _num, _Plan, _prepare, _Run
+from precprof.analysis.advisor.evidence import (
+    _layer_dims,
+    _matmul_leaves,
+    _num,
+    _Plan,
+    _prepare,
+    _Run,
+    norm_inputs_aside,
+)
 from precprof.analysis.advisor.model import (
     _SEVERITY_RANK,
     CRITICAL,
@@ -143,8 +151,10 @@ def recommend(
     cfg = config or AdvisorConfig()
     tables, summ = _load(tables_or_run_dir, summary)
     layers, hist, steps = _prepare(tables)
+    layers, hist, norm_inputs, norm_hist = norm_inputs_aside(layers, hist)
     hw, is_preset = _hardware(hardware, summ)
     run = _Run(layers, hist, steps, summ, hw, is_preset, cfg)
+    run.norm_inputs, run.norm_input_totals = norm_inputs, T.sum_histogram_frame(norm_hist)
     memory = tables.get("memory")
     if isinstance(memory, pd.DataFrame):
         run.memory = T.memory_at(memory)  # each component's own size; the peak's parts would count it twice

@@ -202,6 +202,10 @@ class _Run:
     order: dict[str, int] = field(default_factory=dict)
     types: dict[str, str] = field(default_factory=dict)
     memory: pd.DataFrame = field(default_factory=pd.DataFrame)
+    # the input rows of the user's own norms (``norm_inputs_aside``) and their histograms' totals: only the fp16
+    # norm-overflow rule reads them; every other rule reads ``:input`` rows as a matmul's
+    norm_inputs: pd.DataFrame = field(default_factory=pd.DataFrame)
+    norm_input_totals: pd.DataFrame = field(default_factory=pd.DataFrame)
     # kind() per tuple of kinds; not an init field, so a replace(run, layers=...) starts without it
     _kinds: dict[tuple[str, ...], pd.DataFrame] = field(default_factory=dict, init=False, repr=False)
     # hist_totals(), likewise
@@ -363,6 +367,34 @@ _WHATIF = frozenset(T.WHATIF_COUNT_COLUMNS)
 def _flag(v: Any) -> bool:
     # None, NaN and pd.NA are "not recorded": False (bool(nan) would be True).
     return False if v is None or v is pd.NA or (isinstance(v, float) and math.isnan(v)) else bool(v)
+
+
+def norm_inputs_aside(
+    layers: pd.DataFrame, hist: pd.DataFrame
+) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    """``layers`` and ``hist`` (as ``_prepare`` made them) without the input rows of norms (``T.input_module`` of a
+    module whose type is a norm: ``capture.plan.reads_norm_input``, a user's own norm), and those rows apart:
+    ``(layers, hist, norm input layers, norm input histograms)``. The rules read an ``:input`` row as what a matmul
+    read (autocast's casts, the block and FP8 what-ifs, the kept gradients), which a norm's input is not."""
+    names = layers[T.MODULE]
+    is_input = names.str.endswith(T.INPUT_SUFFIX)
+    if not is_input.any():
+        return layers, hist, layers.iloc[:0], hist.iloc[:0]
+    own = layers[~is_input]
+    types = own.groupby(own[T.MODULE])[T.MODULE_TYPE].first()
+    norms = {
+        T.input_module(str(m)) for m, t in types.items() if taxonomy.kind_of_type(str(t)) == taxonomy.NORM
+    }
+    aside = names.isin(norms)
+    if not aside.any():
+        return layers, hist, layers.iloc[:0], hist.iloc[:0]
+    h_aside = hist[T.MODULE].isin(norms)
+    return (
+        layers[~aside].reset_index(drop=True),
+        hist[~h_aside].reset_index(drop=True),
+        layers[aside].reset_index(drop=True),
+        hist[h_aside].reset_index(drop=True),
+    )
 
 
 def _prepare(tables: Mapping[str, pd.DataFrame]) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:

@@ -39,8 +39,8 @@ _FP16_SQUARE_OVERFLOW_EXPONENT = 8
 
 def _rule_fp16_norm_square(run: _Run, plan: _Plan) -> None:
     """fp16_norm_overflow: a norm that computes its statistics in fp16 (x.pow(2).mean(-1) with no upcast, a
-    hand-written RMSNorm), whose input, the fp16 output of the module that fed it (the leaf module just before it
-    that made as many values, as ``rules.fp16._passed_on`` finds it), holds values of |x| >= 256: their square is
+    hand-written RMSNorm), whose fp16 input (its own input row, ``_norm_input``; in a run without one, the output
+    of the leaf module just before it that made as many values), holds values of |x| >= 256: their square is
     inf in fp16, the mean of their row inf, and x * rsqrt(inf) = 0, the whole row. Told by the norm's output:
     more than ``_NORM_ZEROS_SHARE`` of its values exact zeros that its input did not hold. A norm that computes in
     fp32 inside (torch's LayerNorm and RMSNorm, Llama's) makes no such zeros, whatever its input."""
@@ -53,26 +53,18 @@ def _rule_fp16_norm_square(run: _Run, plan: _Plan) -> None:
     if not norms:
         return
     calls, numel, leaves = run.memo("passed_on", lambda: _leaf_outputs(run))
-    totals = run.hist_totals()
-    hist_names = T.texts(totals[T.MODULE])
     for m in norms:
-        if m not in leaves or calls.get(m, 1) != 1:
+        fed_by = _norm_input(run, m, acts, names, numel, leaves, calls)
+        if fed_by is None:
             continue
-        before = [p for p in leaves[: leaves.index(m)] if not p.endswith(T.INPUT_SUFFIX)]
-        if not before:
-            continue
-        feeder = before[-1]
-        mine = numel.xs(m, level="m")
-        if not numel.xs(feeder, level="m").reindex(mine.index).eq(mine).all():
-            continue
-        rows, fed = acts[(names == m).to_numpy()], acts[(names == feeder).to_numpy()]
+        fed, h, input_said = fed_by
+        rows = acts[(names == m).to_numpy()]
         if not bool(_dtype_has(fed, "float16").all()):
             continue
         n = float(rows[T.NUMEL].sum())
         zeros = float(rows[T.ZEROS].sum()) - float(fed[T.ZEROS].sum())
         if n <= 0 or zeros / n <= _NORM_ZEROS_SHARE:
             continue
-        h = totals[((hist_names == feeder).to_numpy()) & (totals[T.TENSOR] == T.ACTIVATION).to_numpy()]
         big = int(h.loc[h[T.EXPONENT] >= _FP16_SQUARE_OVERFLOW_EXPONENT, T.COUNT].sum())
         if not big:
             continue
@@ -85,8 +77,8 @@ def _rule_fp16_norm_square(run: _Run, plan: _Plan) -> None:
                 "fp16_norm_overflow",
                 CRITICAL,
                 f"{_name(m)}'s x.pow(2) overflows fp16: {_pct(share)} of its output is 0",
-                f"{_name(m)} ({run.types.get(m, '?')}) computes its statistics in fp16: its input, the fp16 output of "
-                f"{_name(feeder)}, holds {big:,} values of |x| >= 256 (max {_g(float(fed[T.ABSMAX].max()))}), whose "
+                f"{_name(m)} ({run.types.get(m, '?')}) computes its statistics in fp16: its input, {input_said}, "
+                f"holds {big:,} values of |x| >= 256 (max {_g(float(fed[T.ABSMAX].max()))}), whose "
                 "square is beyond 65504, inf in fp16; the mean of a row holding one is inf and x * rsqrt(inf) is 0, "
                 f"the whole row: {int(rows[T.ZEROS].sum()):,} of its {int(n):,} output values ({_pct(share)}) were "
                 f"exact zeros, against {int(fed[T.ZEROS].sum()):,} in its input. The layers after it train on "
@@ -106,6 +98,44 @@ def _rule_fp16_norm_square(run: _Run, plan: _Plan) -> None:
                 },
             )
         )
+
+
+def _norm_input(
+    run: _Run,
+    m: str,
+    acts: pd.DataFrame,
+    names: pd.Series,
+    numel: pd.Series,
+    leaves: list[str],
+    calls: pd.Series,
+) -> tuple[pd.DataFrame, pd.DataFrame, str] | None:
+    """What the norm ``m`` read: (its input's activation rows, their histogram totals, its input in words), or
+    None where the run does not tell. Its own input row where the run read it (``capture.plan.reads_norm_input``,
+    ``_Run.norm_inputs``: a user's norm), whatever made that input (in a pre-norm block, a residual sum no module
+    returns); else, a leaf called once a step, the output of the leaf just before it that made as many values on
+    every step (a run recorded before norms' inputs were read, or a norm filtered out of them)."""
+    mine = numel.xs(m, level="m")
+    own = run.norm_inputs
+    if not own.empty:
+        fed = own[(own[T.MODULE] == T.input_module(m)).to_numpy()]
+        if not fed.empty:
+            if not fed.groupby(T.STEP)[T.NUMEL].sum().reindex(mine.index).eq(mine).all():
+                return None
+            totals = run.norm_input_totals
+            h = totals[(T.texts(totals[T.MODULE]) == T.input_module(m)).to_numpy()]
+            return fed, h, "the fp16 tensor its forward received"
+    if m not in leaves or calls.get(m, 1) != 1:
+        return None
+    before = [p for p in leaves[: leaves.index(m)] if not p.endswith(T.INPUT_SUFFIX)]
+    if not before:
+        return None
+    feeder = before[-1]
+    if not numel.xs(feeder, level="m").reindex(mine.index).eq(mine).all():
+        return None
+    totals = run.hist_totals()
+    hist_names = T.texts(totals[T.MODULE])
+    h = totals[((hist_names == feeder).to_numpy()) & (totals[T.TENSOR] == T.ACTIVATION).to_numpy()]
+    return acts[(names == feeder).to_numpy()], h, f"the fp16 output of {_name(feeder)}"
 
 
 def _starved(run: _Run, norm: str, share: float) -> list[str]:

@@ -1,0 +1,219 @@
+"""The input of a user's own norm, read on sampled steps into a row of its own (``<norm>:input``): in a pre-norm
+transformer that input is a residual sum, which no module returns and no other row holds, and in fp16 a
+hand-written RMSNorm's x.pow(2) of a value |x| >= 256 is inf and zeroes its row. Checked on
+``scenarios/prenorm_overflow``'s LM, trained fp16-pure, against the test's own hooks and real casts."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from scenarios import prenorm_overflow
+from torch import nn
+
+from precprof import tables as T
+from precprof.analysis.advisor import AdvisorConfig, Recommendation, recommend
+from precprof.analysis.advisor.text import _g
+from precprof.capture import Profiler
+from precprof.capture.plan import CapturePlan, reads_norm_input
+from precprof.training import TrainConfig, train
+
+NORMS = [f"blocks.{k}.norm" for k in range(6)] + ["norm"]
+STEPS = 3
+
+
+def _batch(step: int) -> torch.Tensor:
+    return torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(step))
+
+
+def _fit(model: nn.Module, prof: Profiler | None) -> list[float]:
+    """``model`` (fp16) trained ``STEPS`` steps by SGD on next-token cross-entropy, the logits upcast; the
+    losses."""
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    losses = []
+    for step in range(STEPS):
+        ids = _batch(step)
+        logits = model(ids[:, :-1]).float()
+        loss = nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+        if prof is not None:
+            prof.step(loss=loss.detach())
+    return losses
+
+
+class _Seen:
+    """Each named norm's inputs and outputs, as the test's own hooks see them, call after call."""
+
+    def __init__(self, model: nn.Module, names: list[str]) -> None:
+        self.inputs: dict[str, list[torch.Tensor]] = {n: [] for n in names}
+        self.outputs: dict[str, list[torch.Tensor]] = {n: [] for n in names}
+        self.handles = []
+        for n in names:
+            m = model.get_submodule(n)
+            self.handles.append(
+                m.register_forward_pre_hook(lambda _m, a, n=n: self.inputs[n].append(a[0].detach().clone()))
+            )
+            self.handles.append(
+                m.register_forward_hook(lambda _m, a, y, n=n: self.outputs[n].append(y.detach().clone()))
+            )
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+@pytest.fixture(scope="module")
+def naive() -> Iterator[tuple[dict[str, object], dict[str, object], _Seen, list[float], nn.Module]]:
+    torch.manual_seed(0)
+    model = prenorm_overflow.factory().half()
+    seen = _Seen(model, NORMS + [f"blocks.{k}.down" for k in range(6)])
+    with Profiler(model, sample_every=1, memory=False, block_formats=False) as prof:
+        losses = _fit(model, prof)
+    seen.remove()
+    yield prof.tables(), {T.SUMMARY_CAPTURE: prof.summary()}, seen, losses, model
+
+
+def test_a_user_norms_input_row_counts_what_it_was_called_with(naive: tuple) -> None:
+    """Each norm's ``:input`` row holds, over the sampled steps, exactly the values its forward received: their
+    count, exact zeros, largest magnitude, and the fp16 exponent histogram's count at |x| >= 256 (the test's
+    own pre-hooks, summed over calls). Its dtype is fp16 and it comes right before its norm in the forward order."""
+    tables, _, seen, _, _ = naive
+    layers, hist = tables["layers"], tables["histograms"]
+    names = layers[T.MODULE].astype(str)
+    for n in NORMS:
+        xs = seen.inputs[n]
+        assert len(xs) == STEPS and all(x.dtype == torch.float16 for x in xs)
+        rows = layers[names == T.input_module(n)]
+        assert list(rows[T.STEP]) == list(range(STEPS))
+        assert set(rows[T.DTYPE].astype(str)) == {"float16"} and set(rows[T.TENSOR].astype(str)) == {
+            T.ACTIVATION
+        }
+        assert int(rows[T.NUMEL].sum()) == sum(x.numel() for x in xs)
+        assert int(rows[T.ZEROS].sum()) == sum(int((x == 0).sum()) for x in xs)
+        assert float(rows[T.ABSMAX].max()) == max(float(x.abs().max()) for x in xs)
+        assert int(rows[T.NAN].sum()) == 0 and int(rows[T.INF].sum()) == 0
+        h = hist[(hist[T.MODULE].astype(str) == T.input_module(n)) & (hist[T.EXPONENT] >= 8)]
+        assert int(h[T.COUNT].sum()) == sum(int((x.abs() >= 256).sum()) for x in xs)
+        assert (rows[T.ORDER].to_numpy() + 1 == layers.loc[names == n, T.ORDER].to_numpy()[: len(rows)]).all()
+    # torch's own modules get none: a matmul's own input rows are those its input made by no module
+    made = set(names[names.str.endswith(T.INPUT_SUFFIX)])
+    assert made == {T.input_module(n) for n in NORMS}
+
+
+def test_a_residual_sum_that_overflows_a_naive_fp16_norm_is_found_from_the_norms_input(naive: tuple) -> None:
+    """The residual stream reaches |x| >= 256 a few blocks in, while no module outputs a value that large (no
+    MLP's down does: the old rule, which looked at the output of the leaf before the norm, found nothing but
+    "modules the guide keeps in fp32 ran in fp16"). fp16_norm_overflow now names each norm whose output was
+    more than 1% zeros, with the count of values of |x| >= 256 its input held and its output's zeros, both
+    counted by the test's own hooks; the norms that zeroed under 1% of their output are not named."""
+    tables, summary, seen, _, _ = naive
+    assert all(float(y.abs().max()) < 256 for k in range(6) for y in seen.outputs[f"blocks.{k}.down"])
+    rec = recommend(tables, hardware="v100", config=AdvisorConfig(small_model_params=0), summary=summary)
+    found = {f.modules[0]: f for f in rec.findings if f.code == "fp16_norm_overflow"}
+    expected = {
+        n
+        for n in NORMS
+        if sum(int((y == 0).sum()) for y in seen.outputs[n]) > 0.01 * sum(y.numel() for y in seen.outputs[n])
+    }
+    assert len(expected) >= 3 and set(found) == expected
+    for n, f in found.items():
+        zeros = sum(int((y == 0).sum()) for y in seen.outputs[n])
+        big = sum(int((x.abs() >= 256).sum()) for x in seen.inputs[n])
+        assert f.severity == "critical" and big > 0
+        assert f.numbers["zeros"] == zeros and f.numbers["input_values_at_least_256"] == big
+        assert f.numbers["input_zeros"] == sum(int((x == 0).sum()) for x in seen.inputs[n])
+        top = max(float(x.abs().max()) for x in seen.inputs[n])
+        assert (
+            f"computes its statistics in fp16: its input, the fp16 tensor its forward received, holds {big:,} "
+            f"values of |x| >= 256 (max {_g(top)})" in f.message
+        )
+        assert f.remedy.startswith(f"Compute the norm in fp32 inside {n}: upcast its input before the square")
+    assert rec.findings[0].code == "fp16_norm_overflow"
+
+
+def test_the_norms_input_rows_change_no_other_finding(naive: tuple) -> None:
+    """The advisor reads a norm's input row in that rule alone: without those rows (as a run recorded before
+    them), every other finding and its numbers are the same."""
+    tables, summary, _, _, _ = naive
+    inputs = {T.input_module(n) for n in NORMS}
+    older = {
+        **tables,
+        "layers": tables["layers"][~tables["layers"][T.MODULE].astype(str).isin(inputs)],
+        "histograms": tables["histograms"][~tables["histograms"][T.MODULE].astype(str).isin(inputs)],
+    }
+    cfg = AdvisorConfig(small_model_params=0)
+    now = recommend(tables, hardware="v100", config=cfg, summary=summary)
+    before = recommend(older, hardware="v100", config=cfg, summary=summary)
+    assert before.finding("fp16_norm_overflow") is None  # (the residual sums no row held before)
+    others = [(f.code, f.modules, f.numbers) for f in now.findings if f.code != "fp16_norm_overflow"]
+    assert others == [
+        (f.code, f.modules, f.numbers) for f in before.findings if f.code != "fp16_norm_overflow"
+    ]
+    assert (now.format, now.loss_scale, now.keep_fp32) == (before.format, before.loss_scale, before.keep_fp32)
+
+
+def test_reading_the_norms_inputs_changes_no_loss_and_no_weight(naive: tuple) -> None:
+    """The same training without precprof: the losses and every weight bitwise equal."""
+    _, _, _, losses, profiled = naive
+    torch.manual_seed(0)
+    model = prenorm_overflow.factory().half()
+    assert _fit(model, None) == losses
+    for (name, p), q in zip(model.named_parameters(), profiled.parameters(), strict=True):
+        assert torch.equal(p, q), name
+
+
+def test_the_fix_trains_finite_and_is_not_found(tmp_path: Path, one_thread: None) -> None:
+    """The remedy followed (each norm on x.float(), cast back), by the built-in loop as ``precprof train -m
+    prenorm_overflow.py:factory -p fp16-pure`` runs it: no norm output holds a zero its input did not, the losses
+    are finite, and
+    fp16_norm_overflow is not said; the naive model's run through the same loop says it."""
+    told = {}
+    for fp32_norm in (False, True):
+        out = tmp_path / f"fp32_norm={fp32_norm}"
+        train(
+            TrainConfig(
+                model=f"{prenorm_overflow.__file__}:factory",
+                model_args={"fp32_norm": fp32_norm},
+                precision="fp16-pure",
+                device="cpu",
+                steps=3,
+                batch_size=4,
+                seq_len=16,
+                sample_every=1,
+                out=out,
+                progress=False,
+                report=False,
+            )
+        )
+        rec = Recommendation.from_dict(T.read_summary(out)[T.SUMMARY_RECOMMENDATION])
+        told[fp32_norm] = rec.finding("fp16_norm_overflow")
+        layers = T.read_tables(out)["layers"]
+        names = layers[T.MODULE].astype(str)
+        outputs = layers[names.isin(NORMS) & (layers[T.TENSOR] == T.ACTIVATION)]
+        inputs = layers[names.isin([T.input_module(n) for n in NORMS])]
+        if fp32_norm:  # a zero out for each zero in (the residual stream holds a few exact zeros)
+            assert (
+                int(outputs[T.ZEROS].sum()) == int(inputs[T.ZEROS].sum()) < 0.001 * int(inputs[T.NUMEL].sum())
+            )
+            steps = T.read_tables(out)["steps"]
+            assert steps[T.LOSS].notna().all() and bool(
+                torch.isfinite(torch.tensor(list(steps[T.LOSS]))).all()
+            )
+    assert told[False] is not None and told[True] is None
+
+
+def test_only_a_users_own_norms_get_an_input_row() -> None:
+    """torch's norms compute in fp32 inside (and a user's matmul gets its input row as before): no row for
+    them; a norm class of the user's code, whatever it computes in, gets one."""
+    model = nn.Sequential(
+        nn.LayerNorm(8), nn.RMSNorm(8), nn.GroupNorm(2, 8), prenorm_overflow.NaiveRMSNorm(8), nn.Linear(8, 8)
+    )
+    assert [reads_norm_input(m, type(m).__name__) for m in model] == [False, False, False, True, False]
+    plan = CapturePlan.of(model, None, block_formats=False)
+    inputs = {info.module for info in plan.rows.info if info.module.endswith(T.INPUT_SUFFIX)}
+    assert inputs == {"3:input", "4:input"}
