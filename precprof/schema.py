@@ -193,6 +193,7 @@ GRADIENT_KINDS = (ACTIVATION_GRAD, WEIGHT_GRAD)
 # input of a norm of the user's own code, whatever made it (a pre-norm block's residual sum: fp16_norm_overflow)
 INPUT_SUFFIX = ":input"
 INPUT_MODULE_TYPE = "(function output)"
+NORM_INPUT_MODULE_TYPE = "(norm input)"  # (the type of a norm's input row)
 
 # why a step was sampled (the steps table's sample_reason; precprof.capture.sampling decides it, the report words it)
 REASON_INTERVAL = "interval"  # every N-th step (sample_every=N)

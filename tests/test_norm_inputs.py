@@ -5,7 +5,7 @@ hand-written RMSNorm's x.pow(2) of a value |x| >= 256 is inf and zeroes its row.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -108,32 +108,54 @@ def test_a_user_norms_input_row_counts_what_it_was_called_with(naive: tuple) -> 
 def test_a_residual_sum_that_overflows_a_naive_fp16_norm_is_found_from_the_norms_input(naive: tuple) -> None:
     """The residual stream reaches |x| >= 256 a few blocks in, while no module outputs a value that large (no
     MLP's down does: the old rule, which looked at the output of the leaf before the norm, found nothing but
-    "modules the guide keeps in fp32 ran in fp16"). fp16_norm_overflow now names each norm whose output was
-    more than 1% zeros, with the count of values of |x| >= 256 its input held and its output's zeros, both
-    counted by the test's own hooks; the norms that zeroed under 1% of their output are not named."""
+    "modules the guide keeps in fp32 ran in fp16"). fp16_norm_overflow, one critical finding leading the list,
+    now names the norms whose output was more than 1% zeros their input did not hold, in forward order, with the
+    values of |x| >= 256 their inputs held and their outputs' zeros, each counted by the test's own hooks; the
+    norms that zeroed less are not named."""
     tables, summary, seen, _, _ = naive
     assert all(float(y.abs().max()) < 256 for k in range(6) for y in seen.outputs[f"blocks.{k}.down"])
     rec = recommend(tables, hardware="v100", config=AdvisorConfig(small_model_params=0), summary=summary)
-    found = {f.modules[0]: f for f in rec.findings if f.code == "fp16_norm_overflow"}
-    expected = {
+
+    def count(xs: list[torch.Tensor], f: Callable[[torch.Tensor], torch.Tensor]) -> int:
+        return sum(int(f(x).sum()) for x in xs)
+
+    named = [
         n
         for n in NORMS
-        if sum(int((y == 0).sum()) for y in seen.outputs[n]) > 0.01 * sum(y.numel() for y in seen.outputs[n])
+        if count(seen.outputs[n], lambda y: y == 0) - count(seen.inputs[n], lambda x: x == 0)
+        > 0.01 * sum(y.numel() for y in seen.outputs[n])
+    ]
+    assert len(named) >= 3 and named != NORMS
+    f = rec.findings[0]
+    assert f.code == "fp16_norm_overflow" and f.severity == "critical" and f.modules == named
+    assert [g.code for g in rec.findings].count("fp16_norm_overflow") == 1
+    zeros = sum(count(seen.outputs[n], lambda y: y == 0) for n in named)
+    values = sum(y.numel() for n in named for y in seen.outputs[n])
+    big = sum(count(seen.inputs[n], lambda x: x.abs() >= 256) for n in named)
+    assert f.numbers == {
+        "zeros": zeros,
+        "values": values,
+        "share": zeros / values,
+        "input_zeros": sum(count(seen.inputs[n], lambda x: x == 0) for n in named),
+        "input_values_at_least_256": big,
+        "norms": len(named),
     }
-    assert len(expected) >= 3 and set(found) == expected
-    for n, f in found.items():
-        zeros = sum(int((y == 0).sum()) for y in seen.outputs[n])
-        big = sum(int((x.abs() >= 256).sum()) for x in seen.inputs[n])
-        assert f.severity == "critical" and big > 0
-        assert f.numbers["zeros"] == zeros and f.numbers["input_values_at_least_256"] == big
-        assert f.numbers["input_zeros"] == sum(int((x == 0).sum()) for x in seen.inputs[n])
-        top = max(float(x.abs().max()) for x in seen.inputs[n])
-        assert (
-            f"computes its statistics in fp16: its input, the fp16 tensor its forward received, holds {big:,} "
-            f"values of |x| >= 256 (max {_g(top)})" in f.message
-        )
-        assert f.remedy.startswith(f"Compute the norm in fp32 inside {n}: upcast its input before the square")
-    assert rec.findings[0].code == "fp16_norm_overflow"
+    share = max(
+        count(seen.outputs[n], lambda y: y == 0) / sum(y.numel() for y in seen.outputs[n]) for n in named
+    )
+    assert (
+        f.title
+        == f"x.pow(2) overflows fp16 in {len(named)} norms: up to {share * 100:.3g}% of a norm's output is 0"
+    )
+    top = max(float(x.abs().max()) for n in named for x in seen.inputs[n])
+    assert (
+        "(NaiveRMSNorm) compute their statistics in fp16: their inputs, the fp16 tensors their forwards received, "
+        f"hold {big:,} values of |x| >= 256 (max {_g(top)})" in f.message
+    )
+    assert "each norm's input is the residual stream" in f.message
+    assert f.remedy.startswith(
+        "Compute the norms in fp32 inside NaiveRMSNorm: upcast their input before the square"
+    )
 
 
 def test_the_norms_input_rows_change_no_other_finding(naive: tuple) -> None:

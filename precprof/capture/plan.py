@@ -206,7 +206,8 @@ class CapturePlan:
             # (autocast casts what a convolution reads as it does a linear layer's input; block-scaled GEMMs read
             # a linear layer's alone)
             if slot.reads_input or reads_norm_input(module, mtype):
-                slot.input = rows.new(T.input_module(name), T.INPUT_MODULE_TYPE, T.ACTIVATION)
+                itype = T.INPUT_MODULE_TYPE if slot.reads_input else T.NORM_INPUT_MODULE_TYPE
+                slot.input = rows.new(T.input_module(name), itype, T.ACTIVATION)
                 slot.input_blocks = block_formats and slot.gemm
             for pname, p in module.named_parameters(recurse=False):
                 if id(p) in owner:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import pandas as pd
@@ -53,6 +54,7 @@ def _rule_fp16_norm_square(run: _Run, plan: _Plan) -> None:
     if not norms:
         return
     calls, numel, leaves = run.memo("passed_on", lambda: _leaf_outputs(run))
+    found: list[_Overflowed] = []
     for m in norms:
         fed_by = _norm_input(run, m, acts, names, numel, leaves, calls)
         if fed_by is None:
@@ -61,43 +63,102 @@ def _rule_fp16_norm_square(run: _Run, plan: _Plan) -> None:
         rows = acts[(names == m).to_numpy()]
         if not bool(_dtype_has(fed, "float16").all()):
             continue
-        n = float(rows[T.NUMEL].sum())
-        zeros = float(rows[T.ZEROS].sum()) - float(fed[T.ZEROS].sum())
-        if n <= 0 or zeros / n <= _NORM_ZEROS_SHARE:
+        n = int(rows[T.NUMEL].sum())
+        zeros, input_zeros = int(rows[T.ZEROS].sum()), int(fed[T.ZEROS].sum())
+        if n <= 0 or (zeros - input_zeros) / n <= _NORM_ZEROS_SHARE:
             continue
         big = int(h.loc[h[T.EXPONENT] >= _FP16_SQUARE_OVERFLOW_EXPONENT, T.COUNT].sum())
         if not big:
             continue
-        share = float(rows[T.ZEROS].sum()) / n
+        share = zeros / n
         plan.fp16_norm_overflow[m] = share
         for s in _starved(run, m, share):
             plan.fp16_norm_starved.setdefault(s, m)
-        plan.add(
-            Finding(
-                "fp16_norm_overflow",
-                CRITICAL,
-                f"{_name(m)}'s x.pow(2) overflows fp16: {_pct(share)} of its output is 0",
-                f"{_name(m)} ({run.types.get(m, '?')}) computes its statistics in fp16: its input, {input_said}, "
-                f"holds {big:,} values of |x| >= 256 (max {_g(float(fed[T.ABSMAX].max()))}), whose "
-                "square is beyond 65504, inf in fp16; the mean of a row holding one is inf and x * rsqrt(inf) is 0, "
-                f"the whole row: {int(rows[T.ZEROS].sum()):,} of its {int(n):,} output values ({_pct(share)}) were "
-                f"exact zeros, against {int(fed[T.ZEROS].sum()):,} in its input. The layers after it train on "
-                "those zeros.",
-                f"Compute the norm in fp32 inside {_name(m)}: upcast its input before the square (x = x.float(); "
-                "variance = x.pow(2).mean(-1, keepdim=True); x * torch.rsqrt(variance + eps), cast back to the input's "
-                "dtype before the weight), as Llama's RMSNorm does; or use torch.nn.RMSNorm or LayerNorm, which "
-                "compute in fp32 inside; or use bf16, whose range is fp32's. torch.autocast(enabled=False) around it "
-                "alone changes nothing: its input stays fp16 (call it on x.float()).",
-                modules=[m],
-                numbers={
-                    "zeros": int(rows[T.ZEROS].sum()),
-                    "values": int(n),
-                    "share": share,
-                    "input_zeros": int(fed[T.ZEROS].sum()),
-                    "input_values_at_least_256": big,
-                },
-            )
+        found.append(_Overflowed(m, zeros, n, input_zeros, big, float(fed[T.ABSMAX].max()), input_said))
+    if found:
+        plan.add(_norm_overflow_finding(run, found))
+
+
+@dataclass(frozen=True)
+class _Overflowed:
+    """A norm whose fp16 x.pow(2) overflowed: its output's exact zeros and values, its input's zeros, values of
+    |x| >= 256 and largest magnitude, and that input in words (``_norm_input``)."""
+
+    norm: str
+    zeros: int
+    values: int
+    input_zeros: int
+    big: int
+    top: float
+    input_said: str
+
+
+_FIX = (
+    "upcast {its} input before the square (x = x.float(); variance = x.pow(2).mean(-1, keepdim=True); "
+    "x * torch.rsqrt(variance + eps), cast back to the input's dtype before the weight), as Llama's RMSNorm does; "
+    "or use torch.nn.RMSNorm or LayerNorm, which compute in fp32 inside; or use bf16, whose range is fp32's. "
+    "torch.autocast(enabled=False) around {it} alone changes nothing: {its} input stays fp16 (call {it} on "
+    "x.float())."
+)
+_OWN_INPUT = "the fp16 tensor its forward received"  # (``_norm_input``: its own input row)
+_SQUARE = (
+    "whose square is beyond 65504, inf in fp16; the mean of a row holding one is inf and x * rsqrt(inf) is 0, "
+    "the whole row"
+)
+
+
+def _norm_overflow_finding(run: _Run, found: list[_Overflowed]) -> Finding:
+    """One finding for the norms of ``found`` (forward order): a pre-norm model's norms overflow together, the
+    residual stream growing past 256 from a block on."""
+    zeros, values = sum(o.zeros for o in found), sum(o.values for o in found)
+    numbers: dict[str, Number] = {
+        "zeros": zeros,
+        "values": values,
+        "share": zeros / values,
+        "input_zeros": sum(o.input_zeros for o in found),
+        "input_values_at_least_256": sum(o.big for o in found),
+    }
+    modules = [o.norm for o in found]
+    if len(found) == 1:
+        (o,) = found
+        m = o.norm
+        return Finding(
+            "fp16_norm_overflow",
+            CRITICAL,
+            f"{_name(m)}'s x.pow(2) overflows fp16: {_pct(o.zeros / o.values)} of its output is 0",
+            f"{_name(m)} ({run.types.get(m, '?')}) computes its statistics in fp16: its input, {o.input_said}, "
+            f"holds {o.big:,} values of |x| >= 256 (max {_g(o.top)}), {_SQUARE}: {o.zeros:,} of its {o.values:,} "
+            f"output values ({_pct(o.zeros / o.values)}) were exact zeros, against {o.input_zeros:,} in its input. "
+            "The layers after it train on those zeros.",
+            f"Compute the norm in fp32 inside {_name(m)}: " + _FIX.format(its="its", it="it"),
+            modules=modules,
+            numbers=numbers,
         )
+    types = sorted({run.types.get(o.norm, "?") for o in found})
+    own = all(o.input_said == _OWN_INPUT for o in found)
+    each = ", ".join(f"{_name(o.norm)} {_pct(o.zeros / o.values)} ({_g(o.top)})" for o in found[:8])
+    worst = max(found, key=lambda o: o.zeros / o.values)
+    return Finding(
+        "fp16_norm_overflow",
+        CRITICAL,
+        f"x.pow(2) overflows fp16 in {len(found)} norms: up to {_pct(worst.zeros / worst.values)} of a norm's "
+        "output is 0",
+        f"{_listing([_name(m) for m in modules], 8)} ({', '.join(types)}) compute their statistics in fp16: their "
+        f"inputs{', the fp16 tensors their forwards received,' if own else ''} hold "
+        f"{numbers['input_values_at_least_256']:,} values of |x| >= 256 (max {_g(max(o.top for o in found))}), "
+        f"{_SQUARE}: {zeros:,} of their {values:,} output values ({_pct(zeros / values)}) were exact zeros, against "
+        f"{numbers['input_zeros']:,} in their inputs. Per norm, the share of its output that is 0 and its input's "
+        f"largest |x|: {each}{f' and {len(found) - 8} more' if len(found) > 8 else ''}. "
+        + (
+            "In a pre-norm model each norm's input is the residual stream, which grows from block to block. "
+            if own
+            else ""
+        )
+        + "The layers after them train on those zeros.",
+        f"Compute the norms in fp32 inside {_listing(types, 4)}: " + _FIX.format(its="their", it="them"),
+        modules=modules,
+        numbers={**numbers, "norms": len(found)},
+    )
 
 
 def _norm_input(
@@ -123,7 +184,7 @@ def _norm_input(
                 return None
             totals = run.norm_input_totals
             h = totals[(T.texts(totals[T.MODULE]) == T.input_module(m)).to_numpy()]
-            return fed, h, "the fp16 tensor its forward received"
+            return fed, h, _OWN_INPUT
     if m not in leaves or calls.get(m, 1) != 1:
         return None
     before = [p for p in leaves[: leaves.index(m)] if not p.endswith(T.INPUT_SUFFIX)]
