@@ -13,6 +13,8 @@ in fp32 and in bf16 autocast (nanoGPT turns autocast off on a CPU; the copy turn
   passes under ``no_grad`` are not training) and every linear weight's gradient (read after backward, before
   clipping) and output gradient (a tensor hook), on every sampled iteration: elements, zeros, values that a
   cast to fp16 / bf16 turns to 0 or to inf, and the largest magnitude, against precprof's layers table;
+- the inputs of nanoGPT's own LayerNorm class (``ln_1``, ``ln_2``, ``ln_f``: residual sums, which no module
+  returns), read into their ``:input`` rows, likewise against a pre-hook's casts;
 - nanoGPT's evaluation passes in between do not change the sampled steps' rows (calls per step: 1);
 - a run killed with SIGKILL mid-training leaves a run directory that ``precprof report`` renders, and every
   iteration flushed before the kill is read back.
@@ -102,12 +104,19 @@ def _fwd_hook(name):
                 per["activation_grad|" + name] = _counts(g)
             out.register_hook(grad_hook)
     return hook
+def _input_hook(name):  # a norm's input, which precprof reads into "<name>:input": here a residual sum
+    def hook(mod, args):
+        if _torch.is_grad_enabled() and iter_num % _check_every == 0:
+            _seen.setdefault(str(iter_num), {})["activation|" + name + ":input"] = _counts(args[0])
+    return hook
 _owner = {}  # a shared parameter is recorded under the first module that holds it (lm_head's is wte's)
 for _name, _mod in model.named_modules():
     for _p in _mod.parameters(recurse=False):
         _owner.setdefault(id(_p), _name)
     if isinstance(_mod, _torch.nn.Linear):
         _mod.register_forward_hook(_fwd_hook(_name))
+    if type(_mod).__name__ == "LayerNorm" and not type(_mod).__module__.startswith("torch."):  # nanoGPT's own
+        _mod.register_forward_pre_hook(_input_hook(_name))
 """
 CHECK_AFTER_BACKWARD = """        if iter_num % _check_every == 0:
             for _name, _mod in model.named_modules():
@@ -325,7 +334,7 @@ def main() -> int:
             "steps_contiguous": read.tables["steps"][T.STEP].tolist()
             == list(range((read.last_step or -1) + 1)),
             "report_rc": rep.returncode,
-            "report_says_cut_off": "The run was cut off after step" in html,
+            "report_says_cut_off": "The run was cut off; its record ends after step" in html,
             "traceback": "Traceback" in rep.stderr,
         }
         good = (
