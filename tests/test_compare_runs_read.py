@@ -3,6 +3,7 @@ a run killed before it saved, one that stopped early, one missing a table or its
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import os
@@ -23,6 +24,7 @@ from precprof import _atomic, cli, pipeline, rundir, training
 from precprof import compare as C
 from precprof import tables as T
 from precprof.analysis import comparison as A
+from precprof.analysis.comparison.runs import cut_short
 from precprof.errors import RunNotSavedWarning
 from precprof.training import Callback, TrainConfig, train
 
@@ -211,7 +213,11 @@ def test_runs_that_stopped_early_or_ran_fewer_steps_confirm_nothing(
     loss = T.read_tables(fp32_dir)["steps"].sort_values(T.STEP)[T.LOSS].to_numpy(dtype=float)
     for i, (other, stopped, last) in enumerate(
         (
-            (killed_dir, f"bf16 stopped after {KILL_AFTER + 1} of 8 steps: killed", KILL_AFTER),
+            (
+                killed_dir,
+                f"bf16 stopped (its record ends after {KILL_AFTER + 1} of 8 steps): killed",
+                KILL_AFTER,
+            ),
             (bf16_dir, "bf16 ran 6 steps and fp32 8", 5),
         )
     ):
@@ -225,7 +231,14 @@ def test_runs_that_stopped_early_or_ran_fewer_steps_confirm_nothing(
         assert all(said in c.text for c in lines), (said, lines)
         headline = _headline(page.read_text())
         assert f"up to step {last}, where the runs are compared (it ran 8 steps)" in headline, headline
-        assert ("stopped after" in headline) == (other == killed_dir), headline
+        assert ("stopped (its record ends after" in headline) == (other == killed_dir), headline
+        if other == killed_dir:  # two runs killed: the reason once, each run's record where it ends
+            killed = comp.run("bf16")
+            twin = dataclasses.replace(killed, label="bf16b")
+            assert cut_short(killed, twin).startswith(
+                f"bf16 stopped (its record ends after {KILL_AFTER + 1} of 8 steps) and bf16b (its record ends after "
+                f"{KILL_AFTER + 1} of 8 steps), both killed"
+            )
 
 
 @RUNS
@@ -283,7 +296,9 @@ def test_the_terminal_says_the_notes_its_check_lines_do_not(
     checks = [ln for ln in out if ln.startswith("[")]
     notes = [ln.removeprefix("note: ") for ln in out if ln.startswith("note: ")]
     assert len(checks) + len(notes) + 1 == len(out) and out[-1].startswith("comparison: ")
-    assert any(f"bf16 stopped after {KILL_AFTER + 1} of 8 steps: killed" in ln for ln in checks), checks
+    assert any(
+        f"bf16 stopped (its record ends after {KILL_AFTER + 1} of 8 steps): killed" in ln for ln in checks
+    ), checks
     assert any("compared up to step 3, the last step every run finished" in ln for ln in checks), checks
     page_notes = json.loads((tmp_path / "cmp" / "compare.json").read_text())["notes"]
     assert set(notes) <= set(page_notes) and len(set(notes)) == len(notes), (notes, page_notes)

@@ -471,7 +471,8 @@ def _stopped(
 ) -> str:
     """How a run that did not finish stopped, in a few words ("" for one that did): after how many of its
     planned steps, and why (its summary's cause up to its first colon, "killed" for a run that never saved and
-    whose process wrote no cause).
+    whose process wrote no cause: "stopped (its record ends after 11 of 5,000 steps): killed", the steps that
+    reached its disk).
     A run whose training ran to its end and only lost files (a full disk: its report.html was not written) did
     not stop: its loss is the loss it ends at."""
     finished = summary.get(T.SUMMARY_TRAINING_FINISHED) is True and not read.streamed
@@ -485,7 +486,12 @@ def _stopped(
         why = re.split(r"[:;]", reason or "")[0].strip()
     of = f" of {planned:,}" if isinstance(planned, int) and planned > done else ""
     many = planned if of else done  # "after 1 of 3 steps", "after 1 step"
-    return f"stopped after {done:,}{of} step{'s' if many != 1 else ''}" + (f": {why}" if why else "")
+    after = f"after {done:,}{of} step{'s' if many != 1 else ''}"
+    if read.streamed and why == "killed":
+        # what reached the disk: the run may have gone further (a step reaches it at the next sampled step or
+        # within seconds), as its page says
+        return f"stopped (its record ends {after}): killed"
+    return f"stopped {after}" + (f": {why}" if why else "")
 
 
 def cut_short(run: RunResult, ref: RunResult) -> str:
