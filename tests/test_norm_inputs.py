@@ -229,13 +229,30 @@ def test_the_fix_trains_finite_and_is_not_found(tmp_path: Path, one_thread: None
     assert told[False] is not None and told[True] is None
 
 
+class PreNorm(nn.Module):
+    """A wrapper named like a norm, holding one and the sublayer it feeds: its output is the sublayer's."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm, self.fn = nn.LayerNorm(d), nn.Sequential(nn.Linear(d, d), nn.ReLU())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fn(self.norm(x))
+
+
 def test_only_a_users_own_norms_get_an_input_row() -> None:
     """torch's norms compute in fp32 inside (and a user's matmul gets its input row as before): no row for
-    them; a norm class of the user's code, whatever it computes in, gets one."""
+    them; a norm class of the user's code, whatever it computes in, gets one, but not a wrapper named like a
+    norm that holds modules (its output, its sublayer's ReLU's, holds zeros no square made)."""
     model = nn.Sequential(
-        nn.LayerNorm(8), nn.RMSNorm(8), nn.GroupNorm(2, 8), prenorm_overflow.NaiveRMSNorm(8), nn.Linear(8, 8)
+        nn.LayerNorm(8),
+        nn.RMSNorm(8),
+        nn.GroupNorm(2, 8),
+        prenorm_overflow.NaiveRMSNorm(8),
+        nn.Linear(8, 8),
+        PreNorm(8),
     )
-    assert [reads_norm_input(m, type(m).__name__) for m in model] == [False, False, False, True, False]
+    assert [reads_norm_input(m, type(m).__name__) for m in model] == [False, False, False, True, False, False]
     plan = CapturePlan.of(model, None, block_formats=False)
     inputs = {info.module for info in plan.rows.info if info.module.endswith(T.INPUT_SUFFIX)}
-    assert inputs == {"3:input", "4:input"}
+    assert inputs == {"3:input", "4:input", "5.fn.0:input"}

@@ -171,10 +171,13 @@ def _norm_input(
     calls: pd.Series,
 ) -> tuple[pd.DataFrame, pd.DataFrame, str] | None:
     """What the norm ``m`` read: (its input's activation rows, their histogram totals, its input in words), or
-    None where the run does not tell. Its own input row where the run read it (``capture.plan.reads_norm_input``,
-    ``_Run.norm_inputs``: a user's norm), whatever made that input (in a pre-norm block, a residual sum no module
-    returns); else, a leaf called once a step, the output of the leaf just before it that made as many values on
-    every step (a run recorded before norms' inputs were read, or a norm filtered out of them)."""
+    None where the run does not tell (a norm holding modules). Its own input row where the run read it
+    (``capture.plan.reads_norm_input``, ``_Run.norm_inputs``: a user's norm), whatever made that input (in a
+    pre-norm block, a residual sum no module returns); else, called once a step, the output of the leaf just
+    before it that made as many values on every step (a run recorded before norms' inputs were read, or a norm
+    filtered out of them)."""
+    if m not in leaves:  # (a "PreNorm" wrapper's output is its sublayer's: its zeros are not the norm's)
+        return None
     mine = numel.xs(m, level="m")
     own = run.norm_inputs
     if not own.empty:
@@ -185,7 +188,7 @@ def _norm_input(
             totals = run.norm_input_totals
             h = totals[(T.texts(totals[T.MODULE]) == T.input_module(m)).to_numpy()]
             return fed, h, _OWN_INPUT
-    if m not in leaves or calls.get(m, 1) != 1:
+    if calls.get(m, 1) != 1:
         return None
     before = [p for p in leaves[: leaves.index(m)] if not p.endswith(T.INPUT_SUFFIX)]
     if not before:
