@@ -136,7 +136,10 @@ def _norm_overflow_finding(run: _Run, found: list[_Overflowed]) -> Finding:
         )
     types = sorted({run.types.get(o.norm, "?") for o in found})
     own = all(o.input_said == _OWN_INPUT for o in found)
-    each = ", ".join(f"{_name(o.norm)} {_pct(o.zeros / o.values)} ({_g(o.top)})" for o in found[:8])
+    each = ", ".join(
+        f"{_name(o.norm)} {_pct(o.zeros / o.values)} ({_g(o.top)}{'' if own else ', ' + o.input_said})"
+        for o in found[:8]
+    )
     worst = max(found, key=lambda o: o.zeros / o.values)
     return Finding(
         "fp16_norm_overflow",
@@ -148,7 +151,7 @@ def _norm_overflow_finding(run: _Run, found: list[_Overflowed]) -> Finding:
         f"{numbers['input_values_at_least_256']:,} values of |x| >= 256 (max {_g(max(o.top for o in found))}), "
         f"{_SQUARE}: {zeros:,} of their {values:,} output values ({_pct(zeros / values)}) were exact zeros, against "
         f"{numbers['input_zeros']:,} in their inputs. Per norm, the share of its output that is 0 and its input's "
-        f"largest |x|: {each}{f' and {len(found) - 8} more' if len(found) > 8 else ''}. "
+        f"largest |x|{'' if own else ' (and that input)'}: {each}{f' and {len(found) - 8} more' if len(found) > 8 else ''}. "
         + (
             "In a pre-norm model each norm's input is the residual stream, which grows from block to block. "
             if own
