@@ -296,7 +296,7 @@ def test_a_norm_whose_fp16_square_overflows_is_critical_and_names_the_square() -
     assert f is not None and f.severity == "critical" and f.modules == ["norm"]
     assert f.numbers["zeros"] == zeros and f.numbers["input_values_at_least_256"] == big
     assert f.title == f"norm's x.pow(2) overflows fp16: {zeros / values * 100:.3g}% of its output is 0"
-    assert f"its input, the fp16 tensor its forward received, holds {big:,} values of |x| >= 256" in f.message
+    assert f"its input, the fp16 output of up, holds {big:,} values of |x| >= 256" in f.message
     ((tables, summary),) = recorded
     layers = tables["layers"]
     assert set(

@@ -5,6 +5,7 @@ hand-written RMSNorm's x.pow(2) of a value |x| >= 256 is inf and zeroes its row.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -256,3 +257,84 @@ def test_only_a_users_own_norms_get_an_input_row() -> None:
     plan = CapturePlan.of(model, None, block_formats=False)
     inputs = {info.module for info in plan.rows.info if info.module.endswith(T.INPUT_SUFFIX)}
     assert inputs == {"3:input", "4:input", "5.fn.0:input"}
+
+
+def _profiled(model: nn.Module, autocast: bool = False) -> tuple[Recommendation, _Seen, list[float], dict]:
+    """``model`` trained ``STEPS`` steps (every one sampled; under fp16 autocast when ``autocast``), seen by the
+    test's own hooks on its norms and MLPs; the advisor's recommendation, the hooks, the losses, the summary."""
+    seen = _Seen(model, NORMS + [f"blocks.{k}.down" for k in range(6)] + ["emb"])
+    with Profiler(model, sample_every=1, memory=False, block_formats=False) as prof:
+        if autocast:
+            with torch.autocast("cpu", dtype=torch.float16):
+                losses = _fit(model, prof)
+        else:
+            losses = _fit(model, prof)
+    seen.remove()
+    summary = {T.SUMMARY_CAPTURE: prof.summary()}
+    rec = recommend(
+        prof.tables(), hardware="v100", config=AdvisorConfig(small_model_params=0), summary=summary
+    )
+    return rec, seen, losses, summary
+
+
+def test_a_residual_stream_near_fp16s_limit_is_warned_from_the_norms_inputs() -> None:
+    """An fp16-pure pre-norm model (its norms on x.float(): no square overflows) whose residual stream reaches
+    4-5e4 while no module but the embedding outputs more than 32752: fp16_activation_near_overflow, which reads
+    modules' outputs, named the embedding alone. fp16_residual_near_overflow names the norms whose inputs,
+    residual sums, came within 2x of 65504, with the largest value the test's pre-hooks saw; not blocks.0.norm,
+    whose input is the embedding's output as it made it (that row tells). Its remedy, fp16 autocast with fp32
+    weights, keeps the sums in fp32: none of it is said, and the losses are finite."""
+    model = prenorm_overflow.factory(fp32_norm=True, emb_std=12000.0, down_std=400.0).half()
+    rec, seen, _, summary = _profiled(model)
+    assert summary[T.SUMMARY_CAPTURE]["norm_inputs_from"] == {"blocks.0.norm": ["emb"]}
+    top = {n: max(float(x.abs().max()) for x in seen.inputs[n]) for n in NORMS}
+    assert all(float(y.abs().max()) < 32752 for k in range(6) for y in seen.outputs[f"blocks.{k}.down"])
+    near = [n for n in NORMS[1:] if 32752 <= top[n] < 65520]
+    assert len(near) >= 3 and all(torch.isfinite(x).all() for n in NORMS for x in seen.inputs[n])
+    f = rec.finding("fp16_residual_near_overflow")
+    assert f is not None and f.severity == "warning" and f.modules == near
+    assert f.numbers["absmax"] == max(top[n] for n in near) and f.numbers["limit"] == 32752.0
+    assert f"{near[0]}: {_g(top[near[0]])}" in f.message
+    assert f.remedy.startswith(
+        "Keep the residual stream in fp32: train under torch.autocast(dtype=torch.float16)"
+    )
+    assert rec.finding("fp16_residual_overflow") is None
+    modules = rec.finding("fp16_activation_near_overflow")
+    assert modules is not None and modules.modules == ["emb"]
+
+    fixed, seen, losses, _ = _profiled(
+        prenorm_overflow.factory(fp32_norm=True, emb_std=12000.0, down_std=400.0), True
+    )
+    assert all(x.dtype == torch.float32 for n in NORMS for x in seen.inputs[n])
+    assert (
+        fixed.finding("fp16_residual_near_overflow") is None
+        and fixed.finding("fp16_residual_overflow") is None
+    )
+    assert all(math.isfinite(v) for v in losses)
+
+
+def test_a_residual_stream_that_overflows_fp16_is_said_before_the_norm_that_returns_nan() -> None:
+    """The same model with larger MLP outputs (each under 65504): at step 0 a residual sum goes beyond 65504, the
+    input of a norm holds inf that no module output before it, and that norm returns nan. nonfinite_forward named
+    the norm as where nan first appears; it says now that the norm's input already held inf, and
+    fp16_residual_overflow, critical, names the norm, the step and the inf its input held (the test's own
+    pre-hook counts them)."""
+    model = prenorm_overflow.factory(fp32_norm=True, emb_std=12000.0, down_std=1500.0).half()
+    rec, seen, _, _ = _profiled(model)
+    order = ["emb"] + [m for k in range(6) for m in (f"blocks.{k}.norm", f"blocks.{k}.down")] + ["norm"]
+    first = next(n for n in order if n in NORMS and bool(torch.isinf(seen.inputs[n][0]).any()))
+    before = order[: order.index(first)]
+    assert all(bool(torch.isfinite(y).all()) for m in before for y in seen.outputs.get(m, [])[:1])
+    assert bool(torch.isnan(seen.outputs[first][0]).any())
+    inf = int(torch.isinf(seen.inputs[first][0]).sum())
+    f = rec.finding("fp16_residual_overflow")
+    assert f is not None and f.severity == "critical" and f.modules[0] == first
+    assert f.numbers["step"] == 0 and f.numbers["inf"] == inf
+    assert f.title == f"The residual stream overflows fp16 before {first}"
+    assert f"At step 0, the fp16 input of {first} (the tensor it received" in f.message
+    nonfinite = rec.finding("nonfinite_forward")
+    assert nonfinite is not None and nonfinite.modules[0] == first
+    assert f"already held 0 nan and {inf:,} inf: the non-finite values began in the sum before it" in (
+        nonfinite.message
+    )
+    assert rec.finding("fp16_norm_overflow") is None  # (zeros of rows holding inf: no square made them)

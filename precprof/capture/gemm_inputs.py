@@ -77,7 +77,12 @@ class GemmInputs:
 
     def _own_input(self, slot: _ModuleSlot, x: torch.Tensor, blocks: bool = False) -> None:
         """``x`` read into the row of ``slot``'s own input (``T.input_module``): a matmul's that no captured
-        module made, or the input of a user's own norm (``CapturePlan.of``: what its statistics square)."""
+        module made, or the input of a user's own norm (``CapturePlan.of``: what its statistics square), read
+        whoever made it; a norm's maker, when a captured module made it as it is, recorded (``input_from``)."""
+        if not slot.reads_input:
+            found = self._maker_of(x)
+            if found is not None and found[0]() is not None and found[2] == _compat.tensor_version(x):
+                slot.input_from.add(found[1])
         if slot.input >= 0 and self._add(local := _readable(x), slot.input):
             if blocks:
                 self.buffer.accumulate_blocks(local, slot.input, read=True)

@@ -116,7 +116,7 @@ class StepHooks(TrainingForward, GradientReads, GemmInputs, StepAttempts, Output
         self.buffer = buffer
         self.block_formats = plan.block_formats
         # module outputs are kept by object for the lookups of the matmuls that read them (``_gemm_input``)
-        self._track_outputs = any(s.reads_input for s in plan.modules)
+        self._track_outputs = any(s.input >= 0 for s in plan.modules)  # (a matmul's input, a norm's)
         self.optimizers = list(optimizers)
         self.updates = updates
         # the Profiler's: what its sampled steps saw of the loop's order (``capture/loop_order.py``)

@@ -280,6 +280,16 @@ class CapturePlan:
             loads[g] += cost(slot)
         return loads
 
+    def norm_inputs_from(self) -> dict[str, list[str]]:
+        """Per norm whose input row is read (``reads_norm_input``), the captured modules whose outputs, as they made
+        them, it received on some sampled step (summary capture.norm_inputs_from); a norm that received only sums
+        no module returns (a pre-norm residual stream) is not among them."""
+        return {
+            s.name: sorted({self.rows.info[r].module for r in s.input_from})
+            for s in self.modules
+            if s.input >= 0 and not s.reads_input and s.input_from
+        }
+
     def module_types(self) -> dict[str, str]:
         """Module name -> its type, made once (the modules are fixed at attach)."""
         if self._types is None or len(self._types) != len(self.modules):

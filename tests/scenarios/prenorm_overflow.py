@@ -25,22 +25,24 @@ class NaiveRMSNorm(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, d: int, fp32_norm: bool) -> None:
+    def __init__(self, d: int, fp32_norm: bool, down_std: float = 5.0) -> None:
         super().__init__()
         self.norm = NaiveRMSNorm(d, fp32_norm)
         self.up, self.act, self.down = nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d)
-        nn.init.normal_(self.down.weight, std=5.0)
+        nn.init.normal_(self.down.weight, std=down_std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.down(self.act(self.up(self.norm(x))))
 
 
 class LM(nn.Module):
-    def __init__(self, vocab_size: int, d: int, n_layer: int, fp32_norm: bool) -> None:
+    def __init__(
+        self, vocab_size: int, d: int, n_layer: int, fp32_norm: bool, emb_std: float, down_std: float
+    ) -> None:
         super().__init__()
         self.emb = nn.Embedding(vocab_size, d)
-        nn.init.normal_(self.emb.weight, std=60.0)
-        self.blocks = nn.ModuleList(Block(d, fp32_norm) for _ in range(n_layer))
+        nn.init.normal_(self.emb.weight, std=emb_std)
+        self.blocks = nn.ModuleList(Block(d, fp32_norm, down_std) for _ in range(n_layer))
         self.norm = NaiveRMSNorm(d, fp32_norm)
         self.head = nn.Linear(d, vocab_size)
 
@@ -51,6 +53,16 @@ class LM(nn.Module):
         return self.head(self.norm(h))
 
 
-def factory(vocab_size: int = 256, d: int = 64, n_layer: int = 6, fp32_norm: bool = False) -> nn.Module:
+def factory(
+    vocab_size: int = 256,
+    d: int = 64,
+    n_layer: int = 6,
+    fp32_norm: bool = False,
+    emb_std: float = 60.0,
+    down_std: float = 5.0,
+) -> nn.Module:
+    """The LM; ``emb_std`` and ``down_std`` (its embedding's and each MLP's ``down`` weights' spread) set how
+    large the residual stream grows: with ``fp32_norm=True``, ``emb_std=12000, down_std=400`` take it near fp16's
+    65504 (no module outputs a value that large but the embedding), ``down_std=1500`` beyond it."""
     torch.manual_seed(0)
-    return LM(vocab_size, d, n_layer, fp32_norm)
+    return LM(vocab_size, d, n_layer, fp32_norm, emb_std, down_std)

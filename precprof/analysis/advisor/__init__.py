@@ -63,6 +63,7 @@ from precprof.analysis.advisor.rules.fp32_ops import _rule_fp16_norm_square, _ru
 from precprof.analysis.advisor.rules.hardware import _rule_hardware, _rule_small_model
 from precprof.analysis.advisor.rules.no_gradient import _rule_no_gradient
 from precprof.analysis.advisor.rules.nonfinite import _rule_diverged, _rule_nonfinite
+from precprof.analysis.advisor.rules.residual import _rule_fp16_residual
 from precprof.analysis.advisor.rules.shapes import _rule_alignment
 from precprof.analysis.advisor.rules.unused import _rule_unused_modules
 from precprof.analysis.advisor.rules.updates import (
@@ -154,7 +155,7 @@ def recommend(
     layers, hist, norm_inputs, norm_hist = norm_inputs_aside(layers, hist)
     hw, is_preset = _hardware(hardware, summ)
     run = _Run(layers, hist, steps, summ, hw, is_preset, cfg)
-    run.norm_inputs, run.norm_input_totals = norm_inputs, T.sum_histogram_frame(norm_hist)
+    run.norm_inputs, run.norm_input_hist = norm_inputs, norm_hist
     memory = tables.get("memory")
     if isinstance(memory, pd.DataFrame):
         run.memory = T.memory_at(memory)  # each component's own size; the peak's parts would count it twice
@@ -195,6 +196,8 @@ def recommend(
             run._kinds.clear()
             run._memo.clear()
             run.hist = run.hist[run.hist[T.STEP] < plan.diverged[0]]
+            run.norm_inputs = run.norm_inputs[run.norm_inputs[T.STEP] < plan.diverged[0]]
+            run.norm_input_hist = run.norm_input_hist[run.norm_input_hist[T.STEP] < plan.diverged[0]]
             run.steps = run.steps[run.steps[T.STEP] < plan.diverged[0]]
             plan.diverged_sampled_before = int(run.layers[T.STEP].nunique())
     _rule_mixed_precision_active(run, plan)
@@ -204,6 +207,7 @@ def recommend(
     # finding of their cause leads theirs (fp16_gradient_underflow leaves its zeros out, no_gradient names it)
     _rule_fp16_norm_square(run, plan)
     _rule_fp16_activations(run, plan)
+    _rule_fp16_residual(run, plan)  # (what no module's output holds: a pre-norm model's residual stream)
     _rule_loss_scale(run, plan, fwd_bad)
     _rule_scaled_clipping(run, plan)
     _rule_fp32_ops(run, plan)

@@ -202,10 +202,10 @@ class _Run:
     order: dict[str, int] = field(default_factory=dict)
     types: dict[str, str] = field(default_factory=dict)
     memory: pd.DataFrame = field(default_factory=pd.DataFrame)
-    # the input rows of the user's own norms (``norm_inputs_aside``) and their histograms' totals: only the fp16
-    # norm-overflow rule reads them; every other rule reads ``:input`` rows as a matmul's
+    # the input rows of the user's own norms (``norm_inputs_aside``) and their histograms: only the rules of a
+    # norm's input read them (rules/fp32_ops, rules/residual); every other rule reads ``:input`` rows as a matmul's
     norm_inputs: pd.DataFrame = field(default_factory=pd.DataFrame)
-    norm_input_totals: pd.DataFrame = field(default_factory=pd.DataFrame)
+    norm_input_hist: pd.DataFrame = field(default_factory=pd.DataFrame)
     # kind() per tuple of kinds; not an init field, so a replace(run, layers=...) starts without it
     _kinds: dict[tuple[str, ...], pd.DataFrame] = field(default_factory=dict, init=False, repr=False)
     # hist_totals(), likewise
@@ -244,6 +244,11 @@ class _Run:
                 ].copy()
             got = self._kinds[kinds] = base[_rows_of_kinds(base[T.TENSOR], kinds)]
         return got
+
+    def norm_input_totals(self) -> pd.DataFrame:
+        """``norm_input_hist`` summed over steps, as ``hist_totals``; computed once per run (and again after the
+        rows of a divergence are left out)."""
+        return self.memo("norm input totals", lambda: T.sum_histogram_frame(self.norm_input_hist))
 
     def hist_totals(self) -> pd.DataFrame:
         """The histograms summed over steps (``tables.sum_histogram_frame``: one row per (tensor kind, module,
@@ -367,6 +372,13 @@ _WHATIF = frozenset(T.WHATIF_COUNT_COLUMNS)
 def _flag(v: Any) -> bool:
     # None, NaN and pd.NA are "not recorded": False (bool(nan) would be True).
     return False if v is None or v is pd.NA or (isinstance(v, float) and math.isnan(v)) else bool(v)
+
+
+def _norm_inputs_from(run: _Run) -> dict[str, list[str]]:
+    """Per norm whose input row the run read, the captured modules whose outputs it received (summary
+    capture.norm_inputs_from); a norm fed only sums no module returns (a residual stream) is not among them."""
+    got = (run.summary.get(T.SUMMARY_CAPTURE) or {}).get("norm_inputs_from")
+    return {str(k): [str(m) for m in v] for k, v in got.items()} if isinstance(got, dict) else {}
 
 
 def norm_inputs_aside(

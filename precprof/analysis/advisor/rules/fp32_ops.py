@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,7 +14,7 @@ import pandas as pd
 
 from precprof import formats, taxonomy
 from precprof import tables as T
-from precprof.analysis.advisor.evidence import _dtype_has, _Plan, _Run
+from precprof.analysis.advisor.evidence import _dtype_has, _norm_inputs_from, _Plan, _Run
 from precprof.analysis.advisor.model import CRITICAL, INFO, WARNING, Finding, Number
 from precprof.analysis.advisor.rules.fp16 import _leaf_outputs
 from precprof.analysis.advisor.text import _g, _listing, _name, _pct
@@ -59,10 +59,16 @@ def _rule_fp16_norm_square(run: _Run, plan: _Plan) -> None:
         fed_by = _norm_input(run, m, acts, names, numel, leaves, calls)
         if fed_by is None:
             continue
-        fed, h, input_said = fed_by
+        fed, hist_of, input_said = fed_by
         rows = acts[(names == m).to_numpy()]
         if not bool(_dtype_has(fed, "float16").all()):
             continue
+        # (a step whose input held nan/inf aside: x * rsqrt(inf) of a row holding inf is 0 whatever the norm
+        # computes in, and the run is breaking down there, not squaring large finite values)
+        broken = set(fed.loc[(fed[T.NAN] + fed[T.INF] > 0).to_numpy(), T.STEP])
+        if broken:
+            fed, rows = fed[~fed[T.STEP].isin(broken)], rows[~rows[T.STEP].isin(broken)]
+        h = hist_of(set(fed[T.STEP]) if broken else None)
         n = int(rows[T.NUMEL].sum())
         zeros, input_zeros = int(rows[T.ZEROS].sum()), int(fed[T.ZEROS].sum())
         if n <= 0 or (zeros - input_zeros) / n <= _NORM_ZEROS_SHARE:
@@ -172,8 +178,9 @@ def _norm_input(
     numel: pd.Series,
     leaves: list[str],
     calls: pd.Series,
-) -> tuple[pd.DataFrame, pd.DataFrame, str] | None:
-    """What the norm ``m`` read: (its input's activation rows, their histogram totals, its input in words), or
+) -> tuple[pd.DataFrame, Callable[[set[int] | None], pd.DataFrame], str] | None:
+    """What the norm ``m`` read: (its input's activation rows, its histogram rows on the given steps, summed (None:
+    every step), its input in words), or
     None where the run does not tell (a norm holding modules). Its own input row where the run read it
     (``capture.plan.reads_norm_input``, ``_Run.norm_inputs``: a user's norm), whatever made that input (in a
     pre-norm block, a residual sum no module returns); else, called once a step, the output of the leaf just
@@ -188,9 +195,9 @@ def _norm_input(
         if not fed.empty:
             if not fed.groupby(T.STEP)[T.NUMEL].sum().reindex(mine.index).eq(mine).all():
                 return None
-            totals = run.norm_input_totals
-            h = totals[(T.texts(totals[T.MODULE]) == T.input_module(m)).to_numpy()]
-            return fed, h, _OWN_INPUT
+            made = _norm_inputs_from(run).get(m, [])
+            said = f"the fp16 output of {_name(made[0])}" if len(made) == 1 else _OWN_INPUT
+            return fed, _hist_of(run.norm_input_totals(), run.norm_input_hist, T.input_module(m)), said
     if calls.get(m, 1) != 1:
         return None
     before = [p for p in leaves[: leaves.index(m)] if not p.endswith(T.INPUT_SUFFIX)]
@@ -199,10 +206,23 @@ def _norm_input(
     feeder = before[-1]
     if not numel.xs(feeder, level="m").reindex(mine.index).eq(mine).all():
         return None
-    totals = run.hist_totals()
-    hist_names = T.texts(totals[T.MODULE])
-    h = totals[((hist_names == feeder).to_numpy()) & (totals[T.TENSOR] == T.ACTIVATION).to_numpy()]
-    return acts[(names == feeder).to_numpy()], h, f"the fp16 output of {_name(feeder)}"
+    return (
+        acts[(names == feeder).to_numpy()],
+        _hist_of(run.hist_totals(), run.hist, feeder),
+        (f"the fp16 output of {_name(feeder)}"),
+    )
+
+
+def _hist_of(
+    totals: pd.DataFrame, per_step: pd.DataFrame, module: str
+) -> Callable[[set[int] | None], pd.DataFrame]:
+    """The activation histogram rows of ``module``: from ``totals`` for every step, from ``per_step`` for some."""
+
+    def rows(steps: set[int] | None) -> pd.DataFrame:
+        h = totals if steps is None else per_step[per_step[T.STEP].isin(steps)]
+        return h[(T.texts(h[T.MODULE]) == module).to_numpy() & (h[T.TENSOR] == T.ACTIVATION).to_numpy()]
+
+    return rows
 
 
 def _starved(run: _Run, norm: str, share: float) -> list[str]:

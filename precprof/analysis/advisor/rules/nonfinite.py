@@ -308,7 +308,7 @@ def _rule_nonfinite(run: _Run, plan: _Plan) -> set[int]:
                 f"module {'called once ' if reused else ''}in forward order to do so ({len(module_steps)} "
                 "sampled step(s) affected, "
                 f"{_n_modules(at[T.MODULE].unique())} module(s) at step {step}).{_reused_words(reused, first)}"
-                f"{_made_by_said(first, maker, bool(reused))}{skips}",
+                f"{_made_by_said(first, maker, bool(reused))}{_input_said(run, first, step)}{skips}",
                 _forward_remedy(run, first, maker, step, row),
                 modules=[first, *([maker] if maker else [])],
                 numbers={
@@ -486,6 +486,27 @@ def _attention_named(module: str) -> bool:
     """Whether ``module`` is an attention by its name, a part of it holding "attn" or "attention" (self_attn,
     attention.self, attn), as rules/fp8 tells the attention modules whose scores it does not count."""
     return any(_attention_part(p) for p in module.split("."))
+
+
+def _input_said(run: _Run, first: str, step: int) -> str:
+    """Where ``first`` is a norm whose input the run read (``_Run.norm_inputs``) and that input already held nan/inf
+    at ``step``: the words saying so ("" otherwise). In a pre-norm model that input is the residual stream, a sum no
+    module returns, and an fp16 one beyond 65504 is inf before the norm runs (fp16_residual_overflow)."""
+    rows = run.norm_inputs
+    if rows.empty:
+        return ""
+    at = rows[
+        (T.texts(rows[T.MODULE]) == T.input_module(first)).to_numpy() & (rows[T.STEP] == step).to_numpy()
+    ]
+    nan, inf = int(at[T.NAN].sum()), int(at[T.INF].sum())
+    if not nan + inf:
+        return ""
+    return (
+        f" Its input, the tensor it received (in a pre-norm model the residual stream, which no module returns), already "
+        f"held {nan:,} nan and {inf:,} inf: the non-finite values began in the sum before it"
+        + (" (fp16_residual_overflow)" if inf and _dtype_has(at, "float16").all() else "")
+        + "."
+    )
 
 
 def _made_by_said(first: str, maker: str | None, reused: bool) -> str:
