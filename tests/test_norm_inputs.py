@@ -283,7 +283,8 @@ def test_a_residual_stream_near_fp16s_limit_is_warned_from_the_norms_inputs() ->
     modules' outputs, named the embedding alone. fp16_residual_near_overflow names the norms whose inputs,
     residual sums, came within 2x of 65504, with the largest value the test's pre-hooks saw; not blocks.0.norm,
     whose input is the embedding's output as it made it (that row tells). Its remedy, fp16 autocast with fp32
-    weights, keeps the sums in fp32: none of it is said, and the losses are finite."""
+    weights, keeps the sums in fp32, and so does its fp16-weight form (the model still half(), the embedding's
+    output upcast, the forward under fp16 autocast): none of it is said, and the losses are finite."""
     model = prenorm_overflow.factory(fp32_norm=True, emb_std=12000.0, down_std=400.0).half()
     rec, seen, _, summary = _profiled(model)
     assert summary[T.SUMMARY_CAPTURE]["norm_inputs_from"] == {"blocks.0.norm": ["emb"]}
@@ -302,15 +303,14 @@ def test_a_residual_stream_near_fp16s_limit_is_warned_from_the_norms_inputs() ->
     modules = rec.finding("fp16_activation_near_overflow")
     assert modules is not None and modules.modules == ["emb"]
 
-    fixed, seen, losses, _ = _profiled(
-        prenorm_overflow.factory(fp32_norm=True, emb_std=12000.0, down_std=400.0), True
-    )
-    assert all(x.dtype == torch.float32 for n in NORMS for x in seen.inputs[n])
-    assert (
-        fixed.finding("fp16_residual_near_overflow") is None
-        and fixed.finding("fp16_residual_overflow") is None
-    )
-    assert all(math.isfinite(v) for v in losses)
+    half = prenorm_overflow.factory(fp32_norm=True, emb_std=12000.0, down_std=400.0).half()
+    half.fp32_stream = True
+    for model in (prenorm_overflow.factory(fp32_norm=True, emb_std=12000.0, down_std=400.0), half):
+        fixed, seen, losses, _ = _profiled(model, autocast=True)
+        assert all(x.dtype == torch.float32 for n in NORMS for x in seen.inputs[n])
+        assert fixed.finding("fp16_residual_near_overflow") is None
+        assert fixed.finding("fp16_residual_overflow") is None
+        assert all(math.isfinite(v) for v in losses)
 
 
 def test_a_residual_stream_that_overflows_fp16_is_said_before_the_norm_that_returns_nan() -> None:

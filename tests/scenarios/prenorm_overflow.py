@@ -40,6 +40,7 @@ class LM(nn.Module):
         self, vocab_size: int, d: int, n_layer: int, fp32_norm: bool, emb_std: float, down_std: float
     ) -> None:
         super().__init__()
+        self.fp32_stream = False  # the embedding's output upcast (h.float()): the residual sums stay fp32
         self.emb = nn.Embedding(vocab_size, d)
         nn.init.normal_(self.emb.weight, std=emb_std)
         self.blocks = nn.ModuleList(Block(d, fp32_norm, down_std) for _ in range(n_layer))
@@ -48,6 +49,8 @@ class LM(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.emb(x)
+        if self.fp32_stream:
+            h = h.float()
         for block in self.blocks:
             h = block(h)
         return self.head(self.norm(h))
