@@ -338,3 +338,53 @@ def test_a_residual_stream_that_overflows_fp16_is_said_before_the_norm_that_retu
         nonfinite.message
     )
     assert rec.finding("fp16_norm_overflow") is None  # (zeros of rows holding inf: no square made them)
+
+
+def test_a_transformers_llamas_fp16_residual_stream_near_the_limit_is_warned() -> None:
+    """Code precprof did not write: transformers' LlamaForCausalLM (its LlamaRMSNorm computes in fp32 inside) cast
+    to fp16, its embedding and MLP outputs scaled so that the residual stream grows to 3.5-4e4 over 4 layers. The
+    norms whose inputs came within 2x of 65504 are named, with the largest value the test's own pre-hooks saw;
+    the first layer's input norm, fed the embedding's output as it made it, is not (that output's row tells)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=64,
+    )
+    model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.normal_(0, 12000.0)
+        for layer in model.model.layers:
+            layer.mlp.down_proj.weight.normal_(0, 9000.0)
+    model = model.half()
+    norms = [n for n, m in model.named_modules() if type(m).__name__ == "LlamaRMSNorm"]
+    seen = _Seen(model, norms)
+    ids = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(0))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-6)
+    with Profiler(model, optimizer=opt, sample_every=1, memory=False, block_formats=False) as prof:
+        for _ in range(2):
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            prof.step(loss=loss.detach())
+    seen.remove()
+    summary = {T.SUMMARY_CAPTURE: prof.summary()}
+    assert summary[T.SUMMARY_CAPTURE]["norm_inputs_from"] == {
+        "model.layers.0.input_layernorm": ["model.embed_tokens"]
+    }
+    top = {n: max(float(x.abs().max()) for x in seen.inputs[n]) for n in norms}
+    near = [n for n in norms[1:] if 32752 <= top[n] < 65520]
+    assert len(near) >= 4
+    rec = recommend(prof.tables(), config=AdvisorConfig(small_model_params=0), summary=summary)
+    f = rec.finding("fp16_residual_near_overflow")
+    assert f is not None and f.modules == near and f.numbers["absmax"] == max(top[n] for n in near)
+    if top[norms[0]] >= 32752:  # the embedding's output: its own row tells
+        embedding = rec.finding("fp16_activation_near_overflow")
+        assert embedding is not None and "model.embed_tokens" in embedding.modules
+    assert rec.finding("fp16_norm_overflow") is None and rec.finding("fp16_residual_overflow") is None
