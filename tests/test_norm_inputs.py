@@ -388,3 +388,72 @@ def test_a_transformers_llamas_fp16_residual_stream_near_the_limit_is_warned() -
         embedding = rec.finding("fp16_activation_near_overflow")
         assert embedding is not None and "model.embed_tokens" in embedding.modules
     assert rec.finding("fp16_norm_overflow") is None and rec.finding("fp16_residual_overflow") is None
+
+
+def _t5_fp16(scale: float) -> Recommendation:
+    """transformers' T5 (its T5LayerNorm squares in fp32 inside) cast to fp16, its shared embedding times
+    ``scale``, 2 steps profiled without memory tracking (so no saved tensor tells how its norms compute)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.T5Config(
+        vocab_size=128,
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=2,
+        num_decoder_layers=2,
+        num_heads=4,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+    )
+    model = transformers.T5ForConditionalGeneration(config)
+    with torch.no_grad():
+        model.shared.weight.mul_(scale)
+    model = model.half()
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-6)
+    with Profiler(model, optimizer=opt, sample_every=1, memory=False, block_formats=False) as prof:
+        for _ in range(2):
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            prof.step(loss=loss.detach())
+    return recommend(
+        prof.tables(), config=AdvisorConfig(small_model_params=0), summary={T.SUMMARY_CAPTURE: prof.summary()}
+    )
+
+
+def test_a_norm_whose_large_fp16_input_made_no_zeros_computed_in_fp32() -> None:
+    """fp16_fp32_ops warned of an fp16 T5's 12 T5LayerNorms that "whether they computed in fp16 inside is not
+    known" when no step measured what they kept for their backward, though they compute their variance in fp32.
+    Their inputs tell when they hold |x| >= 256: squared in fp16 that is inf and zeroes the row, and their outputs
+    held no such zeros, so they computed in fp32; the finding is gone. With inputs under 256 nothing tells, and the
+    warning stays; a naive norm whose large inputs zeroed its rows stays listed (the naive model of the tests
+    above, also without memory tracking)."""
+    assert _t5_fp16(100.0).finding("fp16_fp32_ops") is None
+    small = _t5_fp16(1.0).finding("fp16_fp32_ops")
+    assert small is not None and len(small.modules) == 12 and "is not known" in small.message
+
+
+def test_a_naive_norms_zeros_keep_it_listed_among_the_fp16_ops(naive: tuple) -> None:
+    """The naive model's norms (fp16 squares) stay listed, and none is said to compute in fp32; the same model
+    with its norms on x.float() has those whose inputs reached 256 said to compute in fp32 inside (the test's own
+    pre-hooks tell which), the others listed as not known."""
+    tables, summary, _, _, _ = naive
+    rec = recommend(tables, hardware="v100", config=AdvisorConfig(small_model_params=0), summary=summary)
+    f = rec.finding("fp16_fp32_ops")
+    assert (
+        f is not None and f.modules == NORMS and "computed their statistics in fp32 inside" not in f.message
+    )
+
+    rec, seen, _, _ = _profiled(prenorm_overflow.factory(fp32_norm=True).half())
+    wide = [n for n in NORMS if max(float(x.abs().max()) for x in seen.inputs[n]) >= 256]
+    assert 0 < len(wide) < len(NORMS)
+    f = rec.finding("fp16_fp32_ops")
+    assert f is not None and f.modules == [n for n in NORMS if n not in wide]
+    assert (
+        f"({', '.join(wide)} also produced float16 outputs, and their fp16 inputs held values of |x| >= 256, whose "
+        "fp16 square is inf, without the zeros a norm squaring in fp16 makes of such a row: they computed their "
+        "statistics in fp32 inside.)"
+    ) in f.message

@@ -274,7 +274,9 @@ def _rule_fp32_ops(run: _Run, plan: _Plan) -> None:
             saved = _saved_activation_dtypes(run)
             types = dict(zip(rows[T.MODULE], rows[T.MODULE_TYPE], strict=True))
             in_fp32, alike = _computed_in_fp32(mods, types, saved)
-            mods = [m for m in mods if m not in in_fp32 and m not in alike]
+            unknown = [m for m in mods if m not in saved and m not in alike]
+            wide = _squared_wide(run, unknown) if dtype == "float16" else []
+            mods = [m for m in mods if m not in in_fp32 and m not in alike and m not in wide]
             if not mods:
                 continue
             what = sorted(
@@ -295,6 +297,12 @@ def _rule_fp32_ops(run: _Run, plan: _Plan) -> None:
                     f"for their backward{_checkpointed(capture)}.)"
                 )
             how += _cleared(in_fp32, alike, types, dtype, run.cfg.max_listed_modules)
+            if wide:
+                how += (
+                    f" ({_listing(wide, run.cfg.max_listed_modules)} also produced float16 outputs, and their fp16 "
+                    "inputs held values of |x| >= 256, whose fp16 square is inf, without the zeros a norm squaring "
+                    "in fp16 makes of such a row: they computed their statistics in fp32 inside.)"
+                )
             remedy = (
                 f"Keep them in fp32: cast {_listing(mods, run.cfg.max_listed_modules)} back with .float(), "
                 f"their inputs with them (x.float()) and their outputs back to {dtype} for the layers that read them "
@@ -473,6 +481,43 @@ def _computed_in_fp32(
     fp32_types = {types[m] for m in in_fp32} - low
     alike = [m for m in mods if m not in saved and types[m] in fp32_types]
     return in_fp32, alike
+
+
+def _squared_wide(run: _Run, mods: list[str]) -> list[str]:
+    """Of ``mods`` (norms with fp16 outputs whose saved tensors tell nothing), those whose own fp16 input row
+    (``_Run.norm_inputs``) held values of |x| >= 256 on a step whose output held fewer exact zeros beyond its
+    input's than one row (its weight's size, the normalised dimension), that input finite: a norm squaring in
+    fp16 makes inf of such a value and 0 of its whole row (fp16_norm_overflow), so these squared in a wider
+    format (T5LayerNorm's variance in fp32). One such step tells."""
+    rows = run.norm_inputs
+    if rows.empty or not mods:
+        return []
+    weights = run.kind(T.WEIGHT)
+    acts = run.kind(T.ACTIVATION)
+    hist = run.norm_input_hist
+    big = hist[(hist[T.EXPONENT] >= _FP16_SQUARE_OVERFLOW_EXPONENT).to_numpy()]
+    big = big.groupby([T.texts(big[T.MODULE]).to_numpy(), big[T.STEP].to_numpy()])[T.COUNT].sum()
+    out = []
+    for m in mods:
+        row = weights.loc[
+            (weights[T.MODULE] == m).to_numpy() & (weights[T.PARAM] == "weight").to_numpy(), T.NUMEL
+        ]
+        fed = rows[(rows[T.MODULE] == T.input_module(m)).to_numpy() & _dtype_has(rows, "float16").to_numpy()]
+        if row.empty or fed.empty:
+            continue
+        made = acts[(acts[T.MODULE] == m).to_numpy()].groupby(T.STEP)[T.ZEROS].sum()
+        for step, at in fed.groupby(T.STEP):
+            finite = int((at[T.NAN] + at[T.INF]).sum()) == 0
+            held = int(big.get((T.input_module(m), step), 0))
+            if (
+                finite
+                and held
+                and step in made.index
+                and made[step] - int(at[T.ZEROS].sum()) < int(row.max())
+            ):
+                out.append(m)
+                break
+    return out
 
 
 def _cleared(in_fp32: list[str], alike: list[str], types: Mapping[str, str], dtype: str, listed: int) -> str:
