@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -364,24 +365,15 @@ def test_a_transformers_llamas_fp16_residual_stream_near_the_limit_is_warned() -
     model = model.half()
     norms = [n for n, m in model.named_modules() if type(m).__name__ == "LlamaRMSNorm"]
     seen = _Seen(model, norms)
-    ids = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(0))
-    opt = torch.optim.SGD(model.parameters(), lr=1e-6)
-    with Profiler(model, optimizer=opt, sample_every=1, memory=False, block_formats=False) as prof:
-        for _ in range(2):
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            prof.step(loss=loss.detach())
+    tables, summary = _lm_steps(model, (4, 32))
     seen.remove()
-    summary = {T.SUMMARY_CAPTURE: prof.summary()}
     assert summary[T.SUMMARY_CAPTURE]["norm_inputs_from"] == {
         "model.layers.0.input_layernorm": ["model.embed_tokens"]
     }
     top = {n: max(float(x.abs().max()) for x in seen.inputs[n]) for n in norms}
     near = [n for n in norms[1:] if 32752 <= top[n] < 65520]
     assert len(near) >= 4
-    rec = recommend(prof.tables(), config=AdvisorConfig(small_model_params=0), summary=summary)
+    rec = recommend(tables, config=AdvisorConfig(small_model_params=0), summary=summary)
     f = rec.finding("fp16_residual_near_overflow")
     assert f is not None and f.modules == near and f.numbers["absmax"] == max(top[n] for n in near)
     if top[norms[0]] >= 32752:  # the embedding's output: its own row tells
@@ -410,7 +402,14 @@ def _t5_fp16(scale: float) -> Recommendation:
     with torch.no_grad():
         model.shared.weight.mul_(scale)
     model = model.half()
-    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    tables, summary = _lm_steps(model, (2, 16))
+    return recommend(tables, config=AdvisorConfig(small_model_params=0), summary=summary)
+
+
+def _lm_steps(model: nn.Module, shape: tuple[int, int]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """2 steps of ``model`` (a transformers LM, fp16) on one batch of token ids of ``shape``, SGD, every step
+    profiled without memory tracking: the tables and the summary."""
+    ids = torch.randint(0, 128, shape, generator=torch.Generator().manual_seed(0))
     opt = torch.optim.SGD(model.parameters(), lr=1e-6)
     with Profiler(model, optimizer=opt, sample_every=1, memory=False, block_formats=False) as prof:
         for _ in range(2):
@@ -419,9 +418,7 @@ def _t5_fp16(scale: float) -> Recommendation:
             opt.step()
             opt.zero_grad()
             prof.step(loss=loss.detach())
-    return recommend(
-        prof.tables(), config=AdvisorConfig(small_model_params=0), summary={T.SUMMARY_CAPTURE: prof.summary()}
-    )
+    return prof.tables(), {T.SUMMARY_CAPTURE: prof.summary()}
 
 
 def test_a_norm_whose_large_fp16_input_made_no_zeros_computed_in_fp32() -> None:
