@@ -14,7 +14,8 @@ in fp32 and in bf16 autocast (nanoGPT turns autocast off on a CPU; the copy turn
   clipping) and output gradient (a tensor hook), on every sampled iteration: elements, zeros, values that a
   cast to fp16 / bf16 turns to 0 or to inf, and the largest magnitude, against precprof's layers table;
 - the inputs of nanoGPT's own LayerNorm class (``ln_1``, ``ln_2``, ``ln_f``: residual sums, which no module
-  returns), read into their ``:input`` rows, likewise against a pre-hook's casts;
+  returns), read into their ``:input`` rows, likewise against a pre-hook's casts (the first ``ln_1``'s input, the
+  dropout's output as it made it, against that dropout's row);
 - nanoGPT's evaluation passes in between do not change the sampled steps' rows (calls per step: 1);
 - a run killed with SIGKILL mid-training leaves a run directory that ``precprof report`` renders, and every
   iteration flushed before the kill is read back.
@@ -199,14 +200,20 @@ def run(nanogpt: Path, script: Path, args: list[str], env: dict[str, str], kill_
     return "".join(out)
 
 
-def compare_counts(layers: pd.DataFrame, seen: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
-    """precprof's rows against the independent hooks', per sampled iteration, layer and tensor kind."""
+def compare_counts(
+    layers: pd.DataFrame, seen: dict[str, dict[str, dict[str, Any]]], fed: dict[str, list[str]]
+) -> dict[str, Any]:
+    """precprof's rows against the independent hooks', per sampled iteration, layer and tensor kind; a norm's
+    input that a module made as it is (``fed``: summary capture.norm_inputs_from) against that module's row."""
     cols = ["numel", "zeros", "underflow_fp16", "overflow_fp16", "underflow_bf16", "overflow_bf16"]
     mismatches: list[str] = []
     compared = 0
     for step, per in seen.items():
         for key, want in per.items():
             kind, module = key.split("|", 1)
+            norm = module.removesuffix(T.INPUT_SUFFIX)
+            if module != norm and len(fed.get(norm, [])) == 1:
+                module = fed[norm][0]  # (the dropout after the embeddings feeds the first ln_1)
             tensor = {"activation": T.ACTIVATION, "activation_grad": T.ACTIVATION_GRAD}.get(
                 kind, T.WEIGHT_GRAD
             )
@@ -306,7 +313,11 @@ def main() -> int:
             "iterations": len(prof["losses"]),
             "steps_loss_equal": [float(x) for x in steps[T.LOSS]] == prof["losses"],
             "sampled_steps": sorted(int(s) for s in set(tables["layers"][T.STEP])),
-            "counts": compare_counts(tables["layers"], prof["seen"]),
+            "counts": compare_counts(
+                tables["layers"],
+                prof["seen"],
+                (T.read_summary(out_dir).get(T.SUMMARY_CAPTURE) or {}).get("norm_inputs_from") or {},
+            ),
             "wall_s": {"without": round(t_plain, 2), "with": round(t_prof, 2)},
         }
         rec = T.read_summary(out_dir).get(T.SUMMARY_RECOMMENDATION) or {}

@@ -280,9 +280,10 @@ def test_a_norm_whose_fp16_square_overflows_is_critical_and_names_the_square() -
     """A hand-written RMSNorm squares its fp16 input: a row holding |x| >= 256 squares to inf, its mean is inf,
     and x * rsqrt(inf) zeros the whole row; no finding said so. fp16_norm_overflow, critical, names the norm,
     its x.pow(2), the count of values its input holds at or above 256 and the zeros (the test's own hooks count
-    both); its fix, the norm computed on x.float(), makes no zeros and no finding. The norm's input is read into
-    a row of its own (a user's norm); a run without that row (recorded before it existed) is told from the output
-    of the leaf before it, up, the same numbers."""
+    both); its fix, the norm computed on x.float(), makes no zeros and no finding. The norm's input is up's output
+    as up made it: the run records that (capture.norm_inputs_from) and reads it once, in up's row; a run that
+    does not record it (made before it did) is told from the output of the leaf before the norm, up: the same
+    numbers."""
     model = _UpNormHead()
     recorded: list[tuple[dict[str, Any], dict[str, Any]]] = []
     with _outputs(model, ["up", "norm"]) as seen:
@@ -299,18 +300,13 @@ def test_a_norm_whose_fp16_square_overflows_is_critical_and_names_the_square() -
     assert f"its input, the fp16 output of up, holds {big:,} values of |x| >= 256" in f.message
     ((tables, summary),) = recorded
     layers = tables["layers"]
-    assert set(
-        layers.loc[layers[T.MODULE].astype(str).str.endswith(T.INPUT_SUFFIX), T.MODULE].astype(str)
-    ) == {
-        "up:input",
-        "norm:input",
-    }
+    inputs = layers.loc[layers[T.MODULE].astype(str).str.endswith(T.INPUT_SUFFIX), T.MODULE]
+    assert set(inputs.astype(str)) == {"up:input"}
+    assert summary[T.SUMMARY_CAPTURE]["norm_inputs_from"] == {"norm": ["up"]}
     older = {
-        **tables,
-        "layers": layers[layers[T.MODULE].astype(str) != "norm:input"],
-        "histograms": tables["histograms"][tables["histograms"][T.MODULE].astype(str) != "norm:input"],
+        T.SUMMARY_CAPTURE: {k: v for k, v in summary[T.SUMMARY_CAPTURE].items() if k != "norm_inputs_from"}
     }
-    told = recommend(older, hardware="v100", config=AdvisorConfig(small_model_params=0), summary=summary)
+    told = recommend(tables, hardware="v100", config=AdvisorConfig(small_model_params=0), summary=older)
     g = told.finding("fp16_norm_overflow")
     assert g is not None and g.numbers == f.numbers
     assert f"its input, the fp16 output of up, holds {big:,} values of |x| >= 256" in g.message

@@ -83,11 +83,15 @@ def naive() -> Iterator[tuple[dict[str, object], dict[str, object], _Seen, list[
 def test_a_user_norms_input_row_counts_what_it_was_called_with(naive: tuple) -> None:
     """Each norm's ``:input`` row holds, over the sampled steps, exactly the values its forward received: their
     count, exact zeros, largest magnitude, and the fp16 exponent histogram's count at |x| >= 256 (the test's
-    own pre-hooks, summed over calls). Its dtype is fp16 and it comes right before its norm in the forward order."""
-    tables, _, seen, _, _ = naive
+    own pre-hooks, summed over calls). Its dtype is fp16 and it comes right before its norm in the forward order.
+    The first block's norm receives the embedding's output as it made it: no row of its own (the embedding's
+    holds it; read once), and the summary says which module fed it."""
+    tables, summary, seen, _, _ = naive
     layers, hist = tables["layers"], tables["histograms"]
     names = layers[T.MODULE].astype(str)
-    for n in NORMS:
+    assert summary[T.SUMMARY_CAPTURE]["norm_inputs_from"] == {"blocks.0.norm": ["emb"]}
+    assert not (names == "blocks.0.norm:input").any()
+    for n in NORMS[1:]:
         xs = seen.inputs[n]
         assert len(xs) == STEPS and all(x.dtype == torch.float16 for x in xs)
         rows = layers[names == T.input_module(n)]
@@ -104,7 +108,7 @@ def test_a_user_norms_input_row_counts_what_it_was_called_with(naive: tuple) -> 
         assert (rows[T.ORDER].to_numpy() + 1 == layers.loc[names == n, T.ORDER].to_numpy()[: len(rows)]).all()
     # torch's own modules get none: a matmul's own input rows are those its input made by no module
     made = set(names[names.str.endswith(T.INPUT_SUFFIX)])
-    assert made == {T.input_module(n) for n in NORMS}
+    assert made == {T.input_module(n) for n in NORMS[1:]}
 
 
 def test_a_residual_sum_that_overflows_a_naive_fp16_norm_is_found_from_the_norms_input(naive: tuple) -> None:

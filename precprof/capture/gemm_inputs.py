@@ -77,12 +77,20 @@ class GemmInputs:
 
     def _own_input(self, slot: _ModuleSlot, x: torch.Tensor, blocks: bool = False) -> None:
         """``x`` read into the row of ``slot``'s own input (``T.input_module``): a matmul's that no captured
-        module made, or the input of a user's own norm (``CapturePlan.of``: what its statistics square), read
-        whoever made it; a norm's maker, when a captured module made it as it is, recorded (``input_from``)."""
+        module made, or the input of a user's own norm (``CapturePlan.of``: what its statistics square) that no
+        captured module made as it is (a pre-norm residual sum); one that a module did is that module's output,
+        which its row holds: the maker is recorded (``input_from``), as a matmul's, and nothing read twice."""
         if not slot.reads_input:
             found = self._maker_of(x)
-            if found is not None and found[0]() is not None and found[2] == _compat.tensor_version(x):
+            if (
+                found is not None
+                and found[0]() is not None
+                and found[2] == _compat.tensor_version(x)
+                and not self._made_again(slot, found[1])
+            ):
                 slot.input_from.add(found[1])
+                self._read_from[(slot.activation, found[1])] = slot
+                return
         if slot.input >= 0 and self._add(local := _readable(x), slot.input):
             if blocks:
                 self.buffer.accumulate_blocks(local, slot.input, read=True)

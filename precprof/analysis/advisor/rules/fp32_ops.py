@@ -190,14 +190,20 @@ def _norm_input(
         return None
     mine = numel.xs(m, level="m")
     own = run.norm_inputs
-    if not own.empty:
-        fed = own[(own[T.MODULE] == T.input_module(m)).to_numpy()]
-        if not fed.empty:
-            if not fed.groupby(T.STEP)[T.NUMEL].sum().reindex(mine.index).eq(mine).all():
-                return None
-            made = _norm_inputs_from(run).get(m, [])
-            said = f"the fp16 output of {_name(made[0])}" if len(made) == 1 else _OWN_INPUT
-            return fed, _hist_of(run.norm_input_totals(), run.norm_input_hist, T.input_module(m)), said
+    fed = own[(own[T.MODULE] == T.input_module(m)).to_numpy()] if not own.empty else own
+    made = _norm_inputs_from(run).get(m, [])
+    if not fed.empty or made:
+        # its own input row, or the output of the module that made its input as it was (its row holds it)
+        if made and (len(made) > 1 or not fed.empty):
+            return None  # (fed several ways: the rows do not add up to what it read)
+        said = _OWN_INPUT if not made else f"the fp16 output of {_name(made[0])}"
+        if made:
+            fed = acts[(names == made[0]).to_numpy()]
+        if fed.empty or not fed.groupby(T.STEP)[T.NUMEL].sum().reindex(mine.index).eq(mine).all():
+            return None
+        if made:
+            return fed, _hist_of(run.hist_totals(), run.hist, made[0]), said
+        return fed, _hist_of(run.norm_input_totals(), run.norm_input_hist, T.input_module(m)), said
     if calls.get(m, 1) != 1:
         return None
     before = [p for p in leaves[: leaves.index(m)] if not p.endswith(T.INPUT_SUFFIX)]
@@ -484,31 +490,39 @@ def _computed_in_fp32(
 
 
 def _squared_wide(run: _Run, mods: list[str]) -> list[str]:
-    """Of ``mods`` (norms with fp16 outputs whose saved tensors tell nothing), those whose own fp16 input row
-    (``_Run.norm_inputs``) held values of |x| >= 256 on a step whose output held fewer exact zeros beyond its
+    """Of ``mods`` (norms with fp16 outputs whose saved tensors tell nothing), those whose fp16 input (their own
+    input row, ``_Run.norm_inputs``, or the row of the module that made it as it was) held values of |x| >= 256 on a step whose output held fewer exact zeros beyond its
     input's than one row (its weight's size, the normalised dimension), that input finite: a norm squaring in
     fp16 makes inf of such a value and 0 of its whole row (fp16_norm_overflow), so these squared in a wider
     format (T5LayerNorm's variance in fp32). One such step tells."""
-    rows = run.norm_inputs
-    if rows.empty or not mods:
+    if not mods:
         return []
     weights = run.kind(T.WEIGHT)
     acts = run.kind(T.ACTIVATION)
-    hist = run.norm_input_hist
-    big = hist[(hist[T.EXPONENT] >= _FP16_SQUARE_OVERFLOW_EXPONENT).to_numpy()]
-    big = big.groupby([T.texts(big[T.MODULE]).to_numpy(), big[T.STEP].to_numpy()])[T.COUNT].sum()
+    makers = _norm_inputs_from(run)
+    # each norm's input rows: its own, or those of the one module whose output it received as made
+    source = {m: (T.input_module(m), run.norm_inputs, run.norm_input_hist) for m in mods}
+    source |= {m: (v[0], acts, run.hist) for m, v in makers.items() if m in mods and len(v) == 1}
+    big: dict[int, pd.Series] = {}
     out = []
     for m in mods:
+        name, rows, hist = source[m]
         row = weights.loc[
             (weights[T.MODULE] == m).to_numpy() & (weights[T.PARAM] == "weight").to_numpy(), T.NUMEL
         ]
-        fed = rows[(rows[T.MODULE] == T.input_module(m)).to_numpy() & _dtype_has(rows, "float16").to_numpy()]
-        if row.empty or fed.empty:
+        if row.empty or rows.empty:
             continue
+        fed = rows[(rows[T.MODULE] == name).to_numpy() & _dtype_has(rows, "float16").to_numpy()]
+        if fed.empty:
+            continue
+        if id(hist) not in big:  # values of |x| >= 256 per (module, step)
+            h = hist[(hist[T.EXPONENT] >= _FP16_SQUARE_OVERFLOW_EXPONENT).to_numpy()]
+            h = h[(h[T.TENSOR] == T.ACTIVATION).to_numpy()]
+            big[id(hist)] = h.groupby([T.texts(h[T.MODULE]).to_numpy(), h[T.STEP].to_numpy()])[T.COUNT].sum()
         made = acts[(acts[T.MODULE] == m).to_numpy()].groupby(T.STEP)[T.ZEROS].sum()
         for step, at in fed.groupby(T.STEP):
             finite = int((at[T.NAN] + at[T.INF]).sum()) == 0
-            held = int(big.get((T.input_module(m), step), 0))
+            held = int(big[id(hist)].get((name, step), 0))
             if (
                 finite
                 and held
