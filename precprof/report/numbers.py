@@ -127,6 +127,7 @@ LABELS: dict[Any, tuple[str, str] | None] = {
     ("fp16_norm_overflow", "values"): ("the norms' output values", "count"),
     ("fp16_norm_overflow", "share"): ("share of the norms' outputs that is zeros", "share"),
     ("fp16_norm_overflow", "norms"): ("norms whose x.pow(2) overflowed FP16", "count"),
+    ("fp16_norm_overflow", "input_zeros"): ("exact zeros in the norms' inputs", "count"),
     "zeros": ("exact zeros", "count"),
     "norms": ("norms", "count"),
     "input_zeros": ("exact zeros in its input", "count"),
