@@ -76,16 +76,16 @@ def leave_out_input_names(plan: CapturePlan, warn: bool = True) -> None:
 
 
 def reads_norm_input(module: nn.Module, module_type: str) -> bool:
-    """Whether a sampled step reads ``module``'s input into a row of its own (``T.input_module``): a norm of the
-    user's own code (torch's compute in fp32 inside) holding no module. A hand-written RMSNorm squares its input in that input's
-    dtype, and in a pre-norm transformer that input is a residual sum, no module's output, which no other row
-    holds: in fp16 a value of |x| >= 256 squares to inf and zeroes the norm's row (the advisor's
-    ``fp16_norm_overflow``, which alone reads these rows)."""
+    """Whether a sampled step reads ``module``'s input into a row of its own (``T.input_module``) where no captured
+    module made it as it is (``GemmInputs._own_input``): a norm of the user's own code (torch's compute in fp32
+    inside) that holds no module (a "PreNorm" wrapper's output is its sublayer's). A hand-written RMSNorm squares
+    its input in that input's dtype, and in a pre-norm transformer that input is a residual sum, which no module
+    returns and no other row holds: in fp16 a value of |x| >= 256 squares to inf and zeroes the norm's row. The
+    advisor's norm and residual-stream rules alone read these rows (``evidence.norm_inputs_aside``)."""
     return (
         taxonomy.kind_of_type(module_type) == taxonomy.NORM
         and not type(module).__module__.startswith("torch.")
-        and next(module.children(), None)
-        is None  # (not a wrapper, "PreNorm", whose output is its sublayer's)
+        and next(module.children(), None) is None
     )
 
 

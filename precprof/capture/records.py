@@ -160,7 +160,7 @@ class _ModuleSlot:
         0  # the sampled steps whose block-format what-if reads this module's operands (hooks.py)
     )
     # a matmul's input when no captured module produced it (T.input_module): the model's own batch, a function's
-    # output; a user's own norm's input, always (``plan.reads_norm_input``; -1: neither)
+    # output; a user's own norm's input when no captured module made it (``plan.reads_norm_input``; -1: neither)
     input: int = -1
     # whether its input gets the block-format what-if (a linear layer with block formats on; not a convolution)
     input_blocks: bool = False

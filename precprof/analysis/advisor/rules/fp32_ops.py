@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,8 +40,8 @@ _FP16_SQUARE_OVERFLOW_EXPONENT = 8
 
 def _rule_fp16_norm_square(run: _Run, plan: _Plan) -> None:
     """fp16_norm_overflow: a norm that computes its statistics in fp16 (x.pow(2).mean(-1) with no upcast, a
-    hand-written RMSNorm), whose fp16 input (its own input row, ``_norm_input``; in a run without one, the output
-    of the leaf module just before it that made as many values), holds values of |x| >= 256: their square is
+    hand-written RMSNorm), whose fp16 input (``_norm_input``: its own input row or its maker's; in a run without
+    them, the output of the leaf module just before it that made as many values), holds values of |x| >= 256: their square is
     inf in fp16, the mean of their row inf, and x * rsqrt(inf) = 0, the whole row. Told by the norm's output:
     more than ``_NORM_ZEROS_SHARE`` of its values exact zeros that its input did not hold. A norm that computes in
     fp32 inside (torch's LayerNorm and RMSNorm, Llama's) makes no such zeros, whatever its input."""
@@ -59,7 +59,7 @@ def _rule_fp16_norm_square(run: _Run, plan: _Plan) -> None:
         fed_by = _norm_input(run, m, acts, names, numel, leaves, calls)
         if fed_by is None:
             continue
-        fed, hist_of, input_said = fed_by
+        fed, input_said = fed_by.rows, fed_by.said
         rows = acts[(names == m).to_numpy()]
         if not bool(_dtype_has(fed, "float16").all()):
             continue
@@ -68,7 +68,7 @@ def _rule_fp16_norm_square(run: _Run, plan: _Plan) -> None:
         broken = set(fed.loc[(fed[T.NAN] + fed[T.INF] > 0).to_numpy(), T.STEP])
         if broken:
             fed, rows = fed[~fed[T.STEP].isin(broken)], rows[~rows[T.STEP].isin(broken)]
-        h = hist_of(set(fed[T.STEP]) if broken else None)
+        h = fed_by.hist(set(fed[T.STEP]) if broken else None)
         n = int(rows[T.NUMEL].sum())
         zeros, input_zeros = int(rows[T.ZEROS].sum()), int(fed[T.ZEROS].sum())
         if n <= 0 or (zeros - input_zeros) / n <= _NORM_ZEROS_SHARE:
@@ -88,7 +88,7 @@ def _rule_fp16_norm_square(run: _Run, plan: _Plan) -> None:
 @dataclass(frozen=True)
 class _Overflowed:
     """A norm whose fp16 x.pow(2) overflowed: its output's exact zeros and values, its input's zeros, values of
-    |x| >= 256 and largest magnitude, and that input in words (``_norm_input``)."""
+    |x| >= 256 and largest magnitude, and that input in words (``_Fed.said``)."""
 
     norm: str
     zeros: int
@@ -106,7 +106,7 @@ _FIX = (
     "torch.autocast(enabled=False) around {it} alone changes nothing: {its} input stays fp16 (call {it} on "
     "x.float())."
 )
-_OWN_INPUT = "the fp16 tensor its forward received"  # (``_norm_input``: its own input row)
+_OWN_INPUT = "the fp16 tensor its forward received"  # (``_fed``: its own input row)
 _SQUARE = (
     "whose square is beyond 65504, inf in fp16; the mean of a row holding one is inf and x * rsqrt(inf) is 0, "
     "the whole row"
@@ -178,57 +178,62 @@ def _norm_input(
     numel: pd.Series,
     leaves: list[str],
     calls: pd.Series,
-) -> tuple[pd.DataFrame, Callable[[set[int] | None], pd.DataFrame], str] | None:
-    """What the norm ``m`` read: (its input's activation rows, its histogram rows on the given steps, summed (None:
-    every step), its input in words), or
-    None where the run does not tell (a norm holding modules). Its own input row where the run read it
-    (``capture.plan.reads_norm_input``, ``_Run.norm_inputs``: a user's norm), whatever made that input (in a
-    pre-norm block, a residual sum no module returns); else, called once a step, the output of the leaf just
-    before it that made as many values on every step (a run recorded before norms' inputs were read, or a norm
-    filtered out of them)."""
+) -> _Fed | None:
+    """What the norm ``m`` read (``_Fed``), or None where the run does not tell (a norm holding modules, one fed
+    several ways, rows that do not add up to as many values as its output). Its own input row or its maker's
+    (``_fed``); else, called once a step, the output of the leaf just before it that made as many values on every
+    step (a run recorded before norms' inputs were read, or a norm filtered out of them)."""
     if m not in leaves:  # (a "PreNorm" wrapper's output is its sublayer's: its zeros are not the norm's)
         return None
     mine = numel.xs(m, level="m")
-    own = run.norm_inputs
-    fed = own[(own[T.MODULE] == T.input_module(m)).to_numpy()] if not own.empty else own
-    made = _norm_inputs_from(run).get(m, [])
-    if not fed.empty or made:
-        # its own input row, or the output of the module that made its input as it was (its row holds it)
-        if made and (len(made) > 1 or not fed.empty):
-            return None  # (fed several ways: the rows do not add up to what it read)
-        said = _OWN_INPUT if not made else f"the fp16 output of {_name(made[0])}"
-        if made:
-            fed = acts[(names == made[0]).to_numpy()]
-        if fed.empty or not fed.groupby(T.STEP)[T.NUMEL].sum().reindex(mine.index).eq(mine).all():
+    fed = _fed(run, m, acts, names)
+    if fed is None:
+        if _norm_inputs_from(run).get(m) or calls.get(m, 1) != 1:
             return None
-        if made:
-            return fed, _hist_of(run.hist_totals(), run.hist, made[0]), said
-        return fed, _hist_of(run.norm_input_totals(), run.norm_input_hist, T.input_module(m)), said
-    if calls.get(m, 1) != 1:
+        before = [p for p in leaves[: leaves.index(m)] if not p.endswith(T.INPUT_SUFFIX)]
+        if not before:
+            return None
+        feeder = before[-1]
+        rows = acts[(names == feeder).to_numpy()]
+        fed = _Fed(feeder, rows, run.hist_totals(), run.hist, f"the fp16 output of {_name(feeder)}")
+    if fed.rows.empty or not fed.rows.groupby(T.STEP)[T.NUMEL].sum().reindex(mine.index).eq(mine).all():
         return None
-    before = [p for p in leaves[: leaves.index(m)] if not p.endswith(T.INPUT_SUFFIX)]
-    if not before:
+    return fed
+
+
+@dataclass(frozen=True)
+class _Fed:
+    """What a norm received: the activation rows of ``module`` that hold it (the norm's own input row, or the
+    output row of the module that made it), that module's histogram totals and per-step rows, and it in words."""
+
+    module: str
+    rows: pd.DataFrame
+    totals: pd.DataFrame
+    per_step: pd.DataFrame
+    said: str
+
+    def hist(self, steps: set[int] | None = None) -> pd.DataFrame:
+        """Its activation histogram rows: summed over every step (None), or those of ``steps``."""
+        h = self.totals if steps is None else self.per_step[self.per_step[T.STEP].isin(steps)]
+        return h[(T.texts(h[T.MODULE]) == self.module).to_numpy() & (h[T.TENSOR] == T.ACTIVATION).to_numpy()]
+
+
+def _fed(run: _Run, m: str, acts: pd.DataFrame, names: pd.Series) -> _Fed | None:
+    """The norm ``m``'s input as the run recorded it: its own input row (``capture.plan.reads_norm_input``,
+    ``_Run.norm_inputs``: a sum no module returns, a pre-norm residual stream), or the output row of the one
+    module that made it as it was (summary ``capture.norm_inputs_from``); None for neither, or both (fed several
+    ways: no rows add up to what it read)."""
+    own = run.norm_inputs
+    rows = own[(own[T.MODULE] == T.input_module(m)).to_numpy()] if not own.empty else own
+    made = _norm_inputs_from(run).get(m, [])
+    if made and (len(made) > 1 or not rows.empty):
         return None
-    feeder = before[-1]
-    if not numel.xs(feeder, level="m").reindex(mine.index).eq(mine).all():
+    if made:
+        maker = acts[(names == made[0]).to_numpy()]
+        return _Fed(made[0], maker, run.hist_totals(), run.hist, f"the fp16 output of {_name(made[0])}")
+    if rows.empty:
         return None
-    return (
-        acts[(names == feeder).to_numpy()],
-        _hist_of(run.hist_totals(), run.hist, feeder),
-        (f"the fp16 output of {_name(feeder)}"),
-    )
-
-
-def _hist_of(
-    totals: pd.DataFrame, per_step: pd.DataFrame, module: str
-) -> Callable[[set[int] | None], pd.DataFrame]:
-    """The activation histogram rows of ``module``: from ``totals`` for every step, from ``per_step`` for some."""
-
-    def rows(steps: set[int] | None) -> pd.DataFrame:
-        h = totals if steps is None else per_step[per_step[T.STEP].isin(steps)]
-        return h[(T.texts(h[T.MODULE]) == module).to_numpy() & (h[T.TENSOR] == T.ACTIVATION).to_numpy()]
-
-    return rows
+    return _Fed(T.input_module(m), rows, run.norm_input_totals(), run.norm_input_hist, _OWN_INPUT)
 
 
 def _starved(run: _Run, norm: str, share: float) -> list[str]:
@@ -490,48 +495,68 @@ def _computed_in_fp32(
 
 
 def _squared_wide(run: _Run, mods: list[str]) -> list[str]:
-    """Of ``mods`` (norms with fp16 outputs whose saved tensors tell nothing), those whose fp16 input (their own
-    input row, ``_Run.norm_inputs``, or the row of the module that made it as it was) held values of |x| >= 256 on a step whose output held fewer exact zeros beyond its
-    input's than one row (its weight's size, the normalised dimension), that input finite: a norm squaring in
-    fp16 makes inf of such a value and 0 of its whole row (fp16_norm_overflow), so these squared in a wider
-    format (T5LayerNorm's variance in fp32). One such step tells."""
+    """Of ``mods`` (norms with fp16 outputs whose saved tensors tell nothing), those whose fp16 input held values
+    of |x| >= 256 on a step whose output held fewer exact zeros beyond its input's than one row (its weight's size,
+    the normalised dimension), that input finite: a norm squaring in fp16 makes inf of such a value and 0 of its
+    whole row (fp16_norm_overflow), so these squared in a wider format (T5LayerNorm's variance in fp32). One such
+    step tells. A step's input is the norm's own input row, or the output row of the module that made it where
+    that row holds as many values as the norm's output on the step (T5's dropout runs again after the blocks: its
+    row then holds both calls, and the norm reads its own input from the next sampled step on)."""
     if not mods:
         return []
     weights = run.kind(T.WEIGHT)
     acts = run.kind(T.ACTIVATION)
+    names = T.texts(acts[T.MODULE])
     makers = _norm_inputs_from(run)
-    # each norm's input rows: its own, or those of the one module whose output it received as made
-    source = {m: (T.input_module(m), run.norm_inputs, run.norm_input_hist) for m in mods}
-    source |= {m: (v[0], acts, run.hist) for m, v in makers.items() if m in mods and len(v) == 1}
-    big: dict[int, pd.Series] = {}
+    big: dict[
+        int, pd.Series
+    ] = {}  # per table of per-step histograms: values of |x| >= 256 per (module, step)
     out = []
     for m in mods:
-        name, rows, hist = source[m]
         row = weights.loc[
             (weights[T.MODULE] == m).to_numpy() & (weights[T.PARAM] == "weight").to_numpy(), T.NUMEL
         ]
-        if row.empty or rows.empty:
+        if row.empty:
             continue
-        fed = rows[(rows[T.MODULE] == name).to_numpy() & _dtype_has(rows, "float16").to_numpy()]
-        if fed.empty:
-            continue
-        if id(hist) not in big:  # values of |x| >= 256 per (module, step)
-            h = hist[(hist[T.EXPONENT] >= _FP16_SQUARE_OVERFLOW_EXPONENT).to_numpy()]
-            h = h[(h[T.TENSOR] == T.ACTIVATION).to_numpy()]
-            big[id(hist)] = h.groupby([T.texts(h[T.MODULE]).to_numpy(), h[T.STEP].to_numpy()])[T.COUNT].sum()
-        made = acts[(acts[T.MODULE] == m).to_numpy()].groupby(T.STEP)[T.ZEROS].sum()
-        for step, at in fed.groupby(T.STEP):
-            finite = int((at[T.NAN] + at[T.INF]).sum()) == 0
-            held = int(big[id(hist)].get((name, step), 0))
-            if (
-                finite
-                and held
-                and step in made.index
-                and made[step] - int(at[T.ZEROS].sum()) < int(row.max())
-            ):
-                out.append(m)
-                break
+        mine = acts[(names == m).to_numpy()].groupby(T.STEP)[[T.ZEROS, T.NUMEL]].sum()
+        own = run.norm_inputs
+        sources = [
+            (T.input_module(m), own[(own[T.MODULE] == T.input_module(m)).to_numpy()], run.norm_input_hist)
+        ]
+        if len(makers.get(m, [])) == 1:
+            sources.append((makers[m][0], acts[(names == makers[m][0]).to_numpy()], run.hist))
+        if any(_wide_step(module, rows, hist, mine, int(row.max()), big) for module, rows, hist in sources):
+            out.append(m)
     return out
+
+
+def _wide_step(
+    module: str,
+    rows: pd.DataFrame,
+    hist: pd.DataFrame,
+    mine: pd.DataFrame,
+    row: int,
+    big: dict[int, pd.Series],
+) -> bool:
+    """Whether on a step the fp16 rows of ``module`` (a norm's input) held as many values as the norm's output
+    (``mine``: its zeros and values per step), all finite, some of |x| >= 256 (``hist``), and the output fewer
+    zeros beyond theirs than one ``row``: ``_squared_wide``'s evidence."""
+    if rows.empty:
+        return False
+    if id(hist) not in big:
+        h = hist[
+            (hist[T.EXPONENT] >= _FP16_SQUARE_OVERFLOW_EXPONENT).to_numpy()
+            & (hist[T.TENSOR] == T.ACTIVATION).to_numpy()
+        ]
+        big[id(hist)] = h.groupby([T.texts(h[T.MODULE]).to_numpy(), h[T.STEP].to_numpy()])[T.COUNT].sum()
+    for step, at in rows[_dtype_has(rows, "float16").to_numpy()].groupby(T.STEP):
+        if step not in mine.index or int(at[T.NUMEL].sum()) != int(mine.at[step, T.NUMEL]):
+            continue
+        finite = int((at[T.NAN] + at[T.INF]).sum()) == 0
+        held = int(big[id(hist)].get((module, step), 0))
+        if finite and held and int(mine.at[step, T.ZEROS]) - int(at[T.ZEROS].sum()) < row:
+            return True
+    return False
 
 
 def _cleared(in_fp32: list[str], alike: list[str], types: Mapping[str, str], dtype: str, listed: int) -> str:

@@ -502,8 +502,8 @@ def _input_said(run: _Run, first: str, step: int) -> str:
     if not nan + inf:
         return ""
     return (
-        f" Its input, the tensor it received (in a pre-norm model the residual stream, which no module returns), already "
-        f"held {nan:,} nan and {inf:,} inf: the non-finite values began in the sum before it"
+        " Its input, the tensor it received (in a pre-norm model the residual stream, which no module returns), "
+        f"already held {nan:,} nan and {inf:,} inf: the non-finite values began in the sum before it"
         + (" (fp16_residual_overflow)" if inf and _dtype_has(at, "float16").all() else "")
         + "."
     )
