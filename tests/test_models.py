@@ -287,6 +287,91 @@ def test_an_encoder_s_causal_lm_head_that_sees_ahead_is_refused() -> None:
 
 
 @needs_hf
+def test_a_hf_config_whose_heads_do_not_divide_is_one_line_naming_the_setting_to_add() -> None:
+    """hf:qwen2 with -a num_attention_heads=4 keeps its config's 32 key-value heads: transformers builds the model
+    and its first forward pass fails on the heads' shapes, which ``precprof train`` printed as a 60-line traceback
+    from inside the training's first step (the run saved as failed). Now one line before training, naming
+    transformers' line and the setting to add; with it, the model builds."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from precprof.errors import ModelError
+
+    args = {
+        "hidden_size": "64",
+        "num_hidden_layers": "1",
+        "num_attention_heads": "4",
+        "intermediate_size": "64",
+        "vocab_size": "256",
+    }
+    # independently: the model builds, and its forward pass fails
+    config = AutoConfig.for_model("qwen2", **{k: int(v) for k, v in args.items()})
+    assert (config.num_attention_heads, config.num_key_value_heads) == (4, 32)
+    with pytest.raises(RuntimeError):
+        AutoModelForCausalLM.from_config(config)(input_ids=torch.tensor([[1, 2, 3, 4]]))
+    with pytest.raises(ModelError) as told:
+        build_model("hf:qwen2", args, vocab_size=256, seq_len=16)
+    line = str(told.value)
+    assert isinstance(told.value.__cause__, RuntimeError) and "\n" not in line
+    assert re.fullmatch(
+        r"hf:qwen2 as configured fails its forward pass, RuntimeError at modeling_qwen2\.py:\d+: .+; "
+        r"num_attention_heads=4 is not a multiple of num_key_value_heads=32, the config's default: "
+        r"add -a num_key_value_heads=4 \(or a divisor of 4\)",
+        line,
+    ), line
+    with pytest.raises(ModelError, match=r"num_key_value_heads=3: add -a num_key_value_heads=4"):
+        build_model("hf:qwen2", {**args, "num_key_value_heads": "3"}, vocab_size=256, seq_len=16)
+    built = build_model("hf:qwen2", {**args, "num_key_value_heads": "2"}, vocab_size=256, seq_len=16)
+    assert built.module.config.num_key_value_heads == 2
+
+
+@needs_hf
+def test_a_hf_config_that_fails_its_forward_otherwise_names_the_settings_to_check() -> None:
+    """Mixtral routing each token to 4 of its 2 experts builds, and fails top-k in its first forward pass: the
+    one line names transformers' line and the settings given, to check against the defaults they leave."""
+    from precprof.errors import ModelError
+
+    args = {
+        "hidden_size": "32",
+        "num_hidden_layers": "1",
+        "num_attention_heads": "2",
+        "num_key_value_heads": "2",
+        "intermediate_size": "64",
+        "vocab_size": "256",
+        "num_local_experts": "2",
+        "num_experts_per_tok": "4",
+    }
+    with pytest.raises(ModelError) as told:
+        build_model("hf:mixtral", args, vocab_size=256, seq_len=16)
+    line = str(told.value)
+    assert line.startswith(
+        "hf:mixtral as configured fails its forward pass, RuntimeError at modeling_mixtral.py:"
+    )
+    assert "num_local_experts=2, num_experts_per_tok=4)" in line and "MixtralConfig" in line, line
+    assert build_model("hf:mixtral", {**args, "num_experts_per_tok": "2"}, vocab_size=256, seq_len=16).module
+
+
+@needs_hf
+def test_a_hf_config_its_validator_refuses_is_one_line_with_the_reason() -> None:
+    """transformers 5's configs are strict dataclasses: an odd RoPE head_dim raised huggingface_hub's
+    StrictDataclassClassValidationError, which ``precprof train`` printed as a traceback; now one line, with
+    the validator's reason rather than its name."""
+    args = {
+        "hidden_size": "60",
+        "num_hidden_layers": "1",
+        "num_attention_heads": "4",
+        "num_key_value_heads": "4",
+        "intermediate_size": "64",
+        "head_dim": "15",
+        "vocab_size": "256",
+    }
+    with pytest.raises(UserError) as told:
+        build_model("hf:llama", args, vocab_size=256, seq_len=16)
+    line = str(told.value)
+    assert line.startswith("cannot build hf:llama from its config: ") and "head_dim" in line, line
+    assert "validator" not in line and "\n" not in line
+
+
+@needs_hf
 def test_an_encoder_head_refused_says_it_in_precprofs_one_line_only() -> None:
     """Tester t4: ``precprof train -m hf:bert`` without is_decoder printed transformers' "If you want to use
     `BertLMHeadModel` as a standalone, add `is_decoder=True.`" twice (the size check's build, then the model's)

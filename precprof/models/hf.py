@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import traceback
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 
 from precprof._quiet_imports import quiet_imports
-from precprof.errors import MissingDependencyError, UserError, did_you_mean
+from precprof.errors import MissingDependencyError, ModelError, UserError, did_you_mean
 from precprof.models.base import BuiltModel, _check_size, _coerce_to, count_params
 
 
@@ -90,6 +92,14 @@ def _from_config(model_type: str, args: Mapping[str, Any], seq_len: int) -> Buil
                 f"{did_you_mean(k, default.to_dict())} (see transformers' {type(default).__name__})"
             )
         kwargs[k] = _coerce_to(k, v, getattr(default, field), f"hf:{model_type}")
+    refused: tuple[type[Exception], ...] = (
+        ValueError,
+        TypeError,
+        RuntimeError,
+        AttributeError,
+        AssertionError,
+    )
+    refused += _strict_errors()
     try:
         config = AutoConfig.for_model(model_type, **kwargs)
         n_params = _params_on_meta(config)  # a default config can be billions of parameters (hf:llama is 7B)
@@ -97,8 +107,10 @@ def _from_config(model_type: str, args: Mapping[str, Any], seq_len: int) -> Buil
         module = AutoModelForCausalLM.from_config(config)
     except UserError:
         raise
-    except (ValueError, TypeError, RuntimeError, AttributeError, AssertionError) as e:
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    except refused as e:
+        # a strict config's error says which validator refused it; its cause says why
+        said = e.__cause__ if isinstance(e, _strict_errors()) and isinstance(e.__cause__, Exception) else e
+        msg = str(said).strip().splitlines()[0] if str(said).strip() else type(said).__name__
         pad = kwargs.get("pad_token_id", getattr(default, "pad_token_id", None))
         if "padding_idx" in msg.lower() and isinstance(pad, int):
             msg += f" (its pad_token_id {pad} is outside the vocabulary: set -a pad_token_id=0)"
@@ -111,7 +123,7 @@ def _from_config(model_type: str, args: Mapping[str, Any], seq_len: int) -> Buil
         ),
         None,
     )
-    if _sees_ahead(module, int(config.vocab_size)):
+    if _probe(model_type, module, config, kwargs, seq_len):
         decoder = " (-a is_decoder=true makes it causal)" if hasattr(config, "is_decoder") else ""
         raise UserError(
             f"hf:{model_type} builds {type(module).__name__}, which attends to later tokens{decoder}: trained on "
@@ -138,6 +150,16 @@ def _from_config(model_type: str, args: Mapping[str, Any], seq_len: int) -> Buil
     )
 
 
+def _strict_errors() -> tuple[type[Exception], ...]:
+    """The errors of huggingface_hub's strict dataclasses, which transformers' configs are from version 5 on:
+    a config's validator that refuses the values (RoPE's odd head_dim) raises one, its cause the reason."""
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:  # an older huggingface_hub: the configs raise ValueError
+        return ()
+    return (StrictDataclassError,)
+
+
 def _check_causal(model_type: str, config: Any) -> None:
     """A UserError naming the fix when transformers has no causal language model for ``model_type`` (an
     encoder-decoder such as T5, a vision model such as ViT): ``precprof train`` trains next-token prediction."""
@@ -153,12 +175,12 @@ def _check_causal(model_type: str, config: Any) -> None:
         )
 
 
-def _sees_ahead(module: torch.nn.Module, vocab_size: int) -> bool:
+def _sees_ahead(module: torch.nn.Module, vocab_size: int, tokens: int = 4) -> bool:
     """Whether a causal LM's logits at a position depend on a later token: an encoder's causal-LM head
-    (``BertLMHeadModel``) attends both ways unless its config says ``is_decoder``. Two forward passes of 4 tokens
-    in eval mode, the last one changed; the RNG and the training mode are left as they were. False when the
-    probe cannot run (the training's own first step says why)."""
-    ids = torch.arange(1, 5).remainder(vocab_size).unsqueeze(0)
+    (``BertLMHeadModel``) attends both ways unless its config says ``is_decoder``. Two forward passes of
+    ``tokens`` tokens in eval mode, the last one changed; the RNG and the training mode are left as they were.
+    Raises what the forward pass raises."""
+    ids = torch.arange(1, tokens + 1).remainder(vocab_size).unsqueeze(0)
     other = ids.clone()
     other[0, -1] = (int(ids[0, -1]) + 1) % vocab_size
     was = module.training
@@ -166,11 +188,60 @@ def _sees_ahead(module: torch.nn.Module, vocab_size: int) -> bool:
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             module.eval()
             a, b = (module(input_ids=x).logits[:, :-1].float() for x in (ids, other))
-    except Exception:
-        return False
     finally:
         module.train(was)
     return not torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _probe(
+    model_type: str, module: torch.nn.Module, config: Any, given: Mapping[str, Any], seq_len: int
+) -> bool:
+    """``_sees_ahead`` on 4 tokens, else on the training's ``seq_len`` (a model whose forward pass needs more
+    tokens is not refused for the probe's length). A model that fails both, built from its config before precprof touched it, fails its config: a
+    ``ModelError`` naming the exception, transformers' line and what to change (the config's other fields keep
+    their defaults: hf:qwen2 with -a num_attention_heads=4 keeps 32 key-value heads). Out of memory is left to
+    the training to say (False)."""
+    vocab = int(config.vocab_size)
+    try:
+        return _sees_ahead(module, vocab)
+    except Exception:
+        pass
+    try:
+        return _sees_ahead(module, vocab, max(seq_len, 2))
+    except (torch.OutOfMemoryError, MemoryError):
+        return False
+    except Exception as e:
+        frames = [
+            f for f in traceback.extract_tb(e.__traceback__) if f"{os.sep}transformers{os.sep}" in f.filename
+        ]
+        models = [f for f in frames if f"{os.sep}transformers{os.sep}models{os.sep}" in f.filename]
+        # the model's own line (modeling_qwen2.py), not an integration's
+        at = (models or frames)[-1] if frames else None
+        place = f" at {os.path.basename(at.filename)}:{at.lineno}" if at else ""
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ModelError(
+            f"hf:{model_type} as configured fails its forward pass, {type(e).__name__}{place}"
+            f"{': ' + first if first else ''}; {_config_fix(config, given)}"
+        ) from e
+
+
+def _config_fix(config: Any, given: Mapping[str, Any]) -> str:
+    """What to change in a config whose model fails its forward pass: the attention heads where they do not
+    divide, else the settings given to check against the config's others."""
+    heads, kv = (getattr(config, k, None) for k in ("num_attention_heads", "num_key_value_heads"))
+    if isinstance(heads, int) and isinstance(kv, int) and kv > 0 and heads % kv:
+        which = "" if "num_key_value_heads" in given else ", the config's default"
+        return (
+            f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv}{which}: "
+            f"add -a num_key_value_heads={heads} (or a divisor of {heads})"
+        )
+    settings = ", ".join(f"{k}={v}" for k, v in given.items())
+    return (
+        f"check the --model-arg settings ({settings}) against the fields they leave at their defaults "
+        f"(transformers' {type(config).__name__})"
+        if settings
+        else f"its default config does not run here (transformers' {type(config).__name__})"
+    )
 
 
 def _params_on_meta(config: Any) -> int:
