@@ -2393,9 +2393,9 @@ def _two_bf16_steps(model: nn.Module) -> Profiler:
 
 def test_a_half_model_is_told_what_autocast_does_to_its_batch_norm() -> None:
     """A model cast whole to bf16, a BatchNorm and a LayerNorm in it: the finding says what training under
-    autocast would change, for each as a real autocast run of the same model shows it (checked here): the
-    LayerNorm's op runs in fp32 under CUDA autocast (the dispatcher's table, tested above), the BatchNorm keeps
-    its input's dtype, with fp32 weights and running statistics. It had said autocast runs both in fp32."""
+    autocast would change for the BatchNorm as a real autocast run of the same model shows it (checked here): it
+    keeps its input's dtype, with fp32 weights and running statistics. It had said autocast runs both in fp32.
+    torch's LayerNorm computes in fp32 inside and is not named (it was, as if it computed in bf16)."""
     torch.manual_seed(0)
 
     def build() -> nn.Module:
@@ -2411,10 +2411,17 @@ def test_a_half_model_is_told_what_autocast_does_to_its_batch_norm() -> None:
     ops = must(
         recommend(prof.tables(), summary=summary, config=AdvisorConfig(small_model_params=0)), "bf16_fp32_ops"
     )
-    assert ops.modules == ["1", "2"]
-    assert "Autocast runs LayerNorm in fp32" in ops.message
+    # the LayerNorm computes in fp32 inside (its bf16 output is the fp32 computation rounded once): not named
+    ln, x = model[2].to(torch.bfloat16), torch.randn(4, 16).bfloat16() * 30
+    wide = nn.functional.layer_norm(x.float(), (16,), ln.weight.float(), ln.bias.float()).bfloat16()
+    assert (ln(x).float() - wide.float()).abs().max() <= 2.0**-6  # within a bf16 unit at |y| < 4
+    assert ops.modules == ["1"]
     assert (
-        "autocast leaves BatchNorm1d in its input's dtype, its weights and running statistics in fp32"
+        '("2" also produced bfloat16 outputs, but torch\'s LayerNorm computes its statistics in fp32'
+        in ops.message
+    )
+    assert (
+        "Autocast leaves BatchNorm1d in its input's dtype, its weights and running statistics in fp32"
         in ops.message
     )
     assert "BatchNorm1d in fp32" not in ops.message.replace("statistics in fp32", "")
@@ -2462,13 +2469,14 @@ def test_weight_norm_and_spectral_norm_parametrizations_are_not_normalisation_la
     <layer>.parametrizations.weight) were taken for normalisation layers by the "Norm" in their names: keep_fp32
     named 3.parametrizations.weight.0 with a remedy (.float() on it) that casts spectral_norm's power-iteration
     vectors and leaves the weight it computes in bf16, and those vectors were called "running statistics" of a
-    momentum. The LayerNorm alone is a normalisation layer; the vectors, bf16 in the model, are no finding."""
+    momentum. The norm alone is a normalisation layer; the vectors, bf16 in the model, are no finding. (An RMSNorm
+    computing in its input's dtype: torch's LayerNorm computes in fp32 inside, and is no finding either.)"""
     from torch.nn.utils.parametrizations import spectral_norm, weight_norm
 
     torch.manual_seed(0)
     model = nn.Sequential(
         weight_norm(nn.Linear(8, 32)),
-        nn.LayerNorm(32),
+        InputDtypeNorm(32),
         nn.ReLU(),
         spectral_norm(nn.Linear(32, 32)),
         nn.Linear(32, 8),

@@ -16,6 +16,8 @@ import forks
 import pandas as pd
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -634,13 +636,30 @@ def test_rotary_frequencies_a_cast_rounded_are_found_and_bounded() -> None:
     assert rec.finding("low_precision_rope") is None and rec.finding("low_precision_constants") is None
 
 
+class InputDtypeLayerNorm(nn.Module):
+    """A LayerNorm of one's own code, computing its statistics in its input's dtype (torch's computes in fp32
+    inside)."""
+
+    def __init__(self, ln: nn.LayerNorm) -> None:
+        super().__init__()
+        self.weight, self.bias, self.eps = ln.weight, ln.bias, ln.eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mean = x.mean(-1, keepdim=True)
+        var = (x - mean).pow(2).mean(-1, keepdim=True)
+        return (x - mean) * torch.rsqrt(var + self.eps) * self.weight + self.bias
+
+
 def test_norms_of_a_cast_model_are_flagged_when_they_compute_in_bf16_and_the_remedy_runs_as_written() -> None:
     """A Llama cast to bf16: transformers' RMSNorm upcasts its input and computes in fp32, rounding only its
     output (it keeps fp32 tensors for its backward, the memory table says so), and was warned about all the same
     ("normalisation loses accuracy in bf16", a remedy to cast it back). Now it is no finding; the memory off, it
-    is flagged with "not known". A GPT-2 cast to bf16 computes its LayerNorms in bf16 on this CPU: flagged, and
-    the remedy done as written (the modules and their inputs in fp32, their outputs cast back to bf16) runs a
-    training step, where casting the outputs back was missing from it and the next bf16 layer refused them."""
+    is flagged with "not known". A GPT-2 cast to bf16: torch's LayerNorm computes in fp32 inside on this CPU too
+    (its output within a bf16 unit of the fp32 computation rounded once, a bf16 computation's 40x further off),
+    though it keeps bf16 tensors for its backward here: no finding (it had been told it computed in bf16). Its
+    LayerNorms swapped for a LayerNorm computing in bf16: flagged, and the remedy done as written (the modules
+    and their inputs in fp32, their outputs cast back to bf16) runs a training step, where casting the outputs
+    back was missing from it and the next bf16 layer refused them."""
     from transformers import LlamaForCausalLM
 
     from precprof.analysis.advisor import recommend
@@ -655,13 +674,26 @@ def test_norms_of_a_cast_model_are_flagged_when_they_compute_in_bf16_and_the_rem
     assert f is not None and "(Whether they computed in bf16 inside is not known" in f.message
 
     model = tiny_gpt2().to(torch.bfloat16)
+    ln = model.transformer.ln_f
+    x = torch.randn(64, ln.weight.numel()).mul(3).add(100).bfloat16()
+    wide = F.layer_norm(x.float(), ln.weight.shape, ln.weight.float(), ln.bias.float(), ln.eps)
+    low = InputDtypeLayerNorm(ln)(x)
+    assert (ln(x).float() - wide.bfloat16().float()).abs().max() <= 2.0**-6
+    assert (low.float() - wide.bfloat16().float()).abs().max() >= 2.0**-3
+    tables, summary = _bf16_steps(model, autocast=False, memory=True)
+    f = recommend(tables, summary=summary).finding("bf16_fp32_ops")
+    assert f is None or not any("ln" in m for m in f.modules), f
+    for name, m in list(model.named_modules()):
+        if isinstance(m, nn.LayerNorm):
+            parent, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent), attr, InputDtypeLayerNorm(m))
     tables, summary = _bf16_steps(model, autocast=False, memory=True)
     f = recommend(tables, summary=summary).finding("bf16_fp32_ops")
     assert f is not None and f.severity == "warning"
     assert "They kept no fp32 tensor for their backward: they computed in bf16." in f.message
     assert "their outputs back to bfloat16 for the layers that read them" in f.remedy
     norms = [model.get_submodule(m) for m in f.modules]
-    assert {type(m).__name__ for m in norms} == {"LayerNorm"}
+    assert {type(m).__name__ for m in norms} == {"InputDtypeLayerNorm"}
     ids = TokenData()[0]["input_ids"].repeat(BATCH, 1)
     for m in norms:
         m.float().register_forward_pre_hook(lambda mod, args: (args[0].float(),))

@@ -1,4 +1,4 @@
-"""The input of a user's own norm, read on sampled steps into a row of its own (``<norm>:input``): in a pre-norm
+"""The input of a norm, read on sampled steps into a row of its own (``<norm>:input``): in a pre-norm
 transformer that input is a residual sum, which no module returns and no other row holds, and in fp16 a
 hand-written RMSNorm's x.pow(2) of a value |x| >= 256 is inf and zeroes its row. Checked on
 ``scenarios/prenorm_overflow``'s LM, trained fp16-pure, against the test's own hooks and real casts."""
@@ -19,7 +19,7 @@ from precprof import tables as T
 from precprof.analysis.advisor import AdvisorConfig, Recommendation, recommend
 from precprof.analysis.advisor.text import _g
 from precprof.capture import Profiler
-from precprof.capture.plan import CapturePlan, reads_norm_input
+from precprof.capture.plan import CapturePlan, norm_input_dtypes, reads_norm_input
 from precprof.training import TrainConfig, train
 
 NORMS = [f"blocks.{k}.norm" for k in range(6)] + ["norm"]
@@ -193,6 +193,14 @@ def test_reading_the_norms_inputs_changes_no_loss_and_no_weight(naive: tuple) ->
     assert _fit(model, None) == losses
     for (name, p), q in zip(model.named_parameters(), profiled.parameters(), strict=True):
         assert torch.equal(p, q), name
+    # torch's norms, whose fp16 inputs are read too
+    plain, profiled = (prenorm_overflow.factory(torch_norm=True, emb_std=12000.0).half() for _ in range(2))
+    with Profiler(profiled, sample_every=1, memory=False, block_formats=False) as prof:
+        losses = _fit(profiled, prof)
+    assert any(str(m).endswith("norm:input") for m in prof.tables()["layers"][T.MODULE])
+    assert _fit(plain, None) == losses
+    for (name, p), q in zip(plain.named_parameters(), profiled.parameters(), strict=True):
+        assert torch.equal(p, q), name
 
 
 def test_the_fix_trains_finite_and_is_not_found(tmp_path: Path, one_thread: None) -> None:
@@ -246,10 +254,11 @@ class PreNorm(nn.Module):
         return self.fn(self.norm(x))
 
 
-def test_only_a_users_own_norms_get_an_input_row() -> None:
-    """torch's norms compute in fp32 inside (and a user's matmul gets its input row as before): no row for
-    them; a norm class of the user's code, whatever it computes in, gets one, but not a wrapper named like a
-    norm that holds modules (its output, its sublayer's ReLU's, holds zeros no square made)."""
+def test_a_norm_gets_an_input_row_but_a_wrapper_named_like_one() -> None:
+    """Every norm that holds no module gets an input row (a user's matmul gets its own as before); a wrapper named
+    like a norm that holds modules does not (its output, its sublayer's ReLU's, holds zeros no square made). A
+    user's norm reads its input in any floating dtype, torch's in fp16 alone (they compute in fp32 inside: their
+    row is the fp16 residual stream's): fp32 and bf16 steps leave torch's rows unread."""
     model = nn.Sequential(
         nn.LayerNorm(8),
         nn.RMSNorm(8),
@@ -258,10 +267,35 @@ def test_only_a_users_own_norms_get_an_input_row() -> None:
         nn.Linear(8, 8),
         PreNorm(8),
     )
-    assert [reads_norm_input(m, type(m).__name__) for m in model] == [False, False, False, True, False, False]
+    assert [reads_norm_input(m, type(m).__name__) for m in model] == [True, True, True, True, False, False]
+    assert [norm_input_dtypes(m) == {torch.float16} for m in model[:4]] == [True, True, True, False]
+    assert {torch.float32, torch.bfloat16, torch.float16} <= norm_input_dtypes(model[3])
     plan = CapturePlan.of(model, None, block_formats=False)
     inputs = {info.module for info in plan.rows.info if info.module.endswith(T.INPUT_SUFFIX)}
-    assert inputs == {"3:input", "4:input", "5.fn.0:input"}
+    assert inputs == {"0:input", "1:input", "2:input", "3:input", "4:input", "5.norm:input", "5.fn.0:input"}
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        m = TwoNorms(8).to(dtype)
+        with Profiler(m, sample_every=1, memory=False, block_formats=False) as prof:
+            for _ in range(2):
+                m(torch.randn(4, 8, dtype=dtype)).float().sum().backward()
+                prof.step()
+        rows = prof.tables()["layers"]
+        got = set(rows.loc[rows[T.MODULE_TYPE].astype(str) == T.NORM_INPUT_MODULE_TYPE, T.MODULE].astype(str))
+        assert got == ({"torchs:input", "own:input"} if dtype == torch.float16 else {"own:input"}), (
+            dtype,
+            got,
+        )
+
+
+class TwoNorms(nn.Module):
+    """torch's LayerNorm and a user's RMSNorm, each reading the model's batch (no module made it)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.torchs, self.own = nn.LayerNorm(d), prenorm_overflow.NaiveRMSNorm(d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.torchs(x) + self.own(x)
 
 
 def _profiled(model: nn.Module, autocast: bool = False) -> tuple[Recommendation, _Seen, list[float], dict]:
@@ -458,3 +492,49 @@ def test_a_naive_norms_zeros_keep_it_listed_among_the_fp16_ops(naive: tuple) -> 
         "fp16 square is inf, without the zeros a norm squaring in fp16 makes of such a row: they computed their "
         "statistics in fp32 inside.)"
     ) in f.message
+
+
+def test_torchs_norms_in_fp16_read_the_residual_stream_and_are_not_told_they_computed_in_fp16() -> None:
+    """The pre-norm LM with torch's nn.RMSNorm (as the built-in models use torch's LayerNorm), fp16-pure: its
+    residual stream, near 65504, was read by no row (torch's norms had none), so fp16_residual_near_overflow could
+    not fire; and on the CPU, where torch's fp16 norms keep fp16 tensors for their backward, fp16_fp32_ops told
+    them "they computed in fp16". They compute in fp32 inside (checked: each output equals the fp32 computation
+    of its input, rounded once to fp16): the warning names the residual stream, and no fp16_fp32_ops names them."""
+    model = prenorm_overflow.factory(torch_norm=True, emb_std=12000.0, down_std=400.0).half()
+    rec, seen, losses, summary = _profiled(model)
+    assert summary[T.SUMMARY_CAPTURE]["norms_fp32_inside"] == NORMS
+    for n in NORMS:
+        norm = model.get_submodule(n)
+        for x, y in zip(seen.inputs[n], seen.outputs[n], strict=True):
+            h = x.float()
+            wide = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * norm.weight.float()).half()
+            assert ((y.float() - wide.float()).abs() <= wide.float().abs() * 2.0**-10).all(), (
+                n
+            )  # an fp16 unit
+    top = {n: max(float(x.abs().max()) for x in seen.inputs[n]) for n in NORMS}
+    near = [n for n in NORMS[1:] if 32752 <= top[n] < 65520]
+    assert near and all(math.isfinite(v) for v in losses)
+    f = rec.finding("fp16_residual_near_overflow")
+    assert f is not None and f.modules == near and f.numbers["absmax"] == max(top[n] for n in near)
+    ops = rec.finding("fp16_fp32_ops")
+    assert ops is None or not set(ops.modules) & set(NORMS), ops
+
+
+def test_a_fp16_torch_norm_beside_a_naive_one_is_cleared_in_the_finding_that_names_the_naive_one() -> None:
+    """A model holding a naive fp16 RMSNorm and torch's LayerNorm, cast to fp16: fp16_fp32_ops names the naive
+    norm alone and says why the LayerNorm is not named."""
+    m = nn.Sequential(
+        nn.Linear(8, 8), prenorm_overflow.NaiveRMSNorm(8), nn.Linear(8, 8), nn.LayerNorm(8)
+    ).half()
+    with Profiler(m, sample_every=1, memory=False, block_formats=False) as prof:
+        for _ in range(2):
+            m(torch.randn(4, 8, dtype=torch.float16)).float().sum().backward()
+            prof.step()
+    summary = {T.SUMMARY_CAPTURE: prof.summary()}
+    rec = recommend(prof.tables(), config=AdvisorConfig(small_model_params=0), summary=summary)
+    ops = rec.finding("fp16_fp32_ops")
+    assert ops is not None and ops.modules == ["1"]
+    assert (
+        '("3" also produced float16 outputs, but torch\'s LayerNorm computes its statistics in fp32 inside'
+        in (ops.message)
+    )

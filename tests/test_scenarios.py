@@ -1131,18 +1131,22 @@ def test_k_manual_static_loss_scale_is_read_at_its_scale() -> None:
 
 def test_l_what_the_guide_keeps_in_fp32_found_in_bf16() -> None:
     """A model cast to bf16: norms and softmax ran in bf16, BatchNorm's running statistics and AdamW's states
-    are bf16; each is a finding naming what it found, and the modules go into keep_fp32. Under autocast none."""
+    are bf16; each is a finding naming what it found, and the modules go into keep_fp32. Under autocast none.
+    torch's LayerNorm computes in fp32 inside, its bf16 output rounded once: said so, not named."""
     pure = fp32_ops.run(pure=True)
     rec = pure.recommend("a100")
     assert rec.format == "bf16"
     found = {f.code: f for f in rec.findings}
     ops = found["bf16_fp32_ops"]
-    assert set(ops.modules) == {"bn", "ln", "attn"}
+    assert (
+        set(ops.modules) == {"bn", "attn"}
+        and "(ln also produced bfloat16 outputs, but torch's" in ops.message
+    )
     bufs = found["low_precision_buffers"]
     assert set(bufs.modules) == {"bn"} and "bn.running_mean (bfloat16)" in bufs.message
     opt = found["low_precision_optimizer_states"]
     assert opt.numbers["low_precision_bytes"] > 0.9 * opt.numbers["bytes"]  # all but the fp32 step counters
-    assert {"bn", "ln", "attn"} <= set(rec.keep_fp32)
+    assert {"bn", "attn"} <= set(rec.keep_fp32) and "ln" not in rec.keep_fp32
     mixed = fp32_ops.run(pure=False)
     found = {f.code: f for f in mixed.recommend("a100").findings}
     assert not set(found) & {"low_precision_buffers", "low_precision_optimizer_states"}

@@ -455,8 +455,8 @@ class StepHooks(TrainingForward, GradientReads, GemmInputs, StepAttempts, Output
             turn = slot.block_group == self.turn
             if slot.reads_input and isinstance(x, _Tensor):
                 self._gemm_input(slot, x, turn)
-            elif slot.input >= 0 and isinstance(x, _Tensor) and x.is_floating_point():
-                self._own_input(slot, x)  # a user's own norm's input (``CapturePlan.of``)
+            elif slot.input >= 0 and isinstance(x, _Tensor) and x.dtype in slot.input_dtypes:
+                self._own_input(slot, x)  # a norm's input (``CapturePlan.of``)
             if slot.call_shapes is not None and not slot.call_shapes_done:
                 slot.call_shapes.append(call_shape(slot, module, args, kwargs, x))
             if slot.order < 0:

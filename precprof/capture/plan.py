@@ -23,6 +23,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
 from torch.nn.utils import parametrize
@@ -77,16 +78,36 @@ def leave_out_input_names(plan: CapturePlan, warn: bool = True) -> None:
 
 def reads_norm_input(module: nn.Module, module_type: str) -> bool:
     """Whether a sampled step reads ``module``'s input into a row of its own (``T.input_module``) where no captured
-    module made it as it is (``GemmInputs._own_input``): a norm of the user's own code (torch's compute in fp32
-    inside) that holds no module (a "PreNorm" wrapper's output is its sublayer's). A hand-written RMSNorm squares
-    its input in that input's dtype, and in a pre-norm transformer that input is a residual sum, which no module
-    returns and no other row holds: in fp16 a value of |x| >= 256 squares to inf and zeroes the norm's row. The
+    module made it as it is (``GemmInputs._own_input``): a norm that holds no module (a "PreNorm" wrapper's output
+    is its sublayer's). In a pre-norm transformer that input is a residual sum, which no module returns and no
+    other row holds; a hand-written RMSNorm squares it in its dtype, and in fp16 a value of |x| >= 256 squares to
+    inf and zeroes the norm's row. torch's own norms (``NORM_INPUT_DTYPES``) are read where that input is fp16
+    alone: they compute in fp32 inside, and what their input row tells is the fp16 residual stream's range. The
     advisor's norm and residual-stream rules alone read these rows (``evidence.norm_inputs_aside``)."""
-    return (
-        taxonomy.kind_of_type(module_type) == taxonomy.NORM
-        and not type(module).__module__.startswith("torch.")
-        and next(module.children(), None) is None
-    )
+    return taxonomy.kind_of_type(module_type) == taxonomy.NORM and next(module.children(), None) is None
+
+
+# the floating dtypes whose inputs a user's own norm reads (``reads_norm_input``), and a torch norm's
+FLOATING = frozenset(d for d in vars(torch).values() if isinstance(d, torch.dtype) and d.is_floating_point)
+_FP16 = frozenset({torch.float16})
+
+
+def norm_input_dtypes(module: nn.Module) -> frozenset[torch.dtype]:
+    """The dtypes of the inputs a norm's row reads (``reads_norm_input``): every floating dtype for a norm of the
+    user's code, fp16 alone for torch's own, which compute in fp32 inside."""
+    return _FP16 if type(module).__module__.startswith("torch.") else FLOATING
+
+
+# torch's norms without running statistics, which compute their statistics in fp32 inside for 16-bit inputs on
+# every device (the CPU's kernels in opmath, CUDA's in acc_type) and round only their outputs: a subclass that
+# overrides forward is the user's code
+_FP32_INSIDE = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
+
+
+def computes_fp32_inside(module: nn.Module) -> bool:
+    """Whether ``module`` is one of torch's norms that compute in fp32 inside (``_FP32_INSIDE``), its forward
+    torch's (summary capture.norms_fp32_inside)."""
+    return any(isinstance(module, c) and type(module).forward is c.forward for c in _FP32_INSIDE)
 
 
 def can_have_grad(p: nn.Parameter) -> bool:
@@ -211,6 +232,7 @@ class CapturePlan:
             if slot.reads_input or reads_norm_input(module, mtype):
                 itype = T.INPUT_MODULE_TYPE if slot.reads_input else T.NORM_INPUT_MODULE_TYPE
                 slot.input = rows.new(T.input_module(name), itype, T.ACTIVATION)
+                slot.input_dtypes = FLOATING if slot.reads_input else norm_input_dtypes(module)
                 slot.input_blocks = block_formats and slot.gemm
             for pname, p in module.named_parameters(recurse=False):
                 if id(p) in owner:
@@ -279,6 +301,11 @@ class CapturePlan:
             slot.block_group = g
             loads[g] += cost(slot)
         return loads
+
+    def norm_facts(self) -> dict[str, Any]:
+        """The summary's facts on norms (capture.norm_inputs_from, capture.norms_fp32_inside)."""
+        fp32 = [s.name for s in self.modules if computes_fp32_inside(s.module)]
+        return {"norm_inputs_from": self.norm_inputs_from(), "norms_fp32_inside": fp32}
 
     def norm_inputs_from(self) -> dict[str, list[str]]:
         """Per norm whose input row is read (``reads_norm_input``), the captured modules whose outputs, as they made

@@ -160,8 +160,10 @@ class _ModuleSlot:
         0  # the sampled steps whose block-format what-if reads this module's operands (hooks.py)
     )
     # a matmul's input when no captured module produced it (T.input_module): the model's own batch, a function's
-    # output; a user's own norm's input when no captured module made it (``plan.reads_norm_input``; -1: neither)
+    # output; a norm's input when no captured module made it (``plan.reads_norm_input``; -1: neither)
     input: int = -1
+    # the dtypes of the inputs that row reads (``plan.norm_input_dtypes``: a torch norm's fp16 inputs alone)
+    input_dtypes: frozenset[torch.dtype] = frozenset()
     # whether its input gets the block-format what-if (a linear layer with block formats on; not a convolution)
     input_blocks: bool = False
     # the rows of the captured modules whose outputs its GEMM read as its input (``input`` has the others): what

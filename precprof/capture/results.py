@@ -300,7 +300,7 @@ class ProfilerResults:
             "shared_params": shared,
             "shared_outside": outside,
             **({"gemm_inputs": gemm_inputs, "model_inputs": model_inputs} if gemm_inputs is not None else {}),
-            "norm_inputs_from": plan.norm_inputs_from() if plan is not None else {},
+            **(plan.norm_facts() if plan is not None else {"norm_inputs_from": {}, "norms_fp32_inside": []}),
             "modules_without_forward": modules_without_forward(self.model) if plan is not None else [],
             "n_params": n_params,
             "param_bytes": param_bytes,

@@ -385,7 +385,7 @@ def norm_inputs_aside(
     layers: pd.DataFrame, hist: pd.DataFrame
 ) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame, pd.DataFrame]:
     """``layers`` and ``hist`` (as ``_prepare`` made them) without the input rows of norms (``T.input_module`` of a
-    module whose type is a norm: ``capture.plan.reads_norm_input``, a user's own norm), and those rows apart:
+    module whose type is a norm: ``capture.plan.reads_norm_input``), and those rows apart:
     ``(layers, hist, norm input layers, norm input histograms)``. The rules read an ``:input`` row as what a matmul
     read (autocast's casts, the block and FP8 what-ifs, the kept gradients), which a norm's input is not."""
     names = layers[T.MODULE]

@@ -285,9 +285,15 @@ def _rule_fp32_ops(run: _Run, plan: _Plan) -> None:
             saved = _saved_activation_dtypes(run)
             types = dict(zip(rows[T.MODULE], rows[T.MODULE_TYPE], strict=True))
             in_fp32, alike = _computed_in_fp32(mods, types, saved)
-            unknown = [m for m in mods if m not in saved and m not in alike]
+            # torch's LayerNorm, GroupNorm, RMSNorm: fp32 inside by their code, whatever they kept (fp16 on the CPU)
+            torchs = [
+                m for m in mods if m in set(capture.get("norms_fp32_inside") or ()) and m not in in_fp32
+            ]
+            unknown = [m for m in mods if m not in saved and m not in alike and m not in torchs]
             wide = _squared_wide(run, unknown) if dtype == "float16" else []
-            mods = [m for m in mods if m not in in_fp32 and m not in alike and m not in wide]
+            mods = [
+                m for m in mods if m not in in_fp32 and m not in alike and m not in wide and m not in torchs
+            ]
             if not mods:
                 continue
             what = sorted(
@@ -308,6 +314,12 @@ def _rule_fp32_ops(run: _Run, plan: _Plan) -> None:
                     f"for their backward{_checkpointed(capture)}.)"
                 )
             how += _cleared(in_fp32, alike, types, dtype, run.cfg.max_listed_modules)
+            if torchs:
+                classes = ", ".join(sorted({types[m] for m in torchs}))
+                how += (
+                    f" ({_listing(torchs, run.cfg.max_listed_modules)} also produced {dtype} outputs, but torch's "
+                    f"{classes} computes its statistics in fp32 inside and rounds only its output.)"
+                )
             if wide:
                 how += (
                     f" ({_listing(wide, run.cfg.max_listed_modules)} also produced float16 outputs, and their fp16 "

@@ -1,4 +1,4 @@
-"""The residual stream of an fp16 run, read at the inputs of the user's own norms (``capture.plan.reads_norm_input``,
+"""The residual stream of an fp16 run, read at the norms' inputs (``capture.plan.reads_norm_input``,
 ``_Run.norm_inputs``): in a pre-norm transformer each norm's input is ``x + f(x)``, a sum no module returns, so no
 module's row holds it, and fp16_activation_overflow / _near_overflow, which read modules' outputs, never see it.
 
