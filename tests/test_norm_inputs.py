@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
 import pytest
 import torch
 from scenarios import prenorm_overflow
@@ -538,3 +539,45 @@ def test_a_fp16_torch_norm_beside_a_naive_one_is_cleared_in_the_finding_that_nam
         '("3" also produced float16 outputs, but torch\'s LayerNorm computes its statistics in fp32 inside'
         in (ops.message)
     )
+
+
+class _CheckpointedNorm(nn.Module):
+    """An embedding, a block (a norm, a Linear) run under a reentrant checkpoint or not (``reentrant`` None), a
+    head: the block's norm is ``norm``."""
+
+    def __init__(self, norm: nn.Module, reentrant: bool | None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.head = nn.Embedding(32, 16), nn.Linear(16, 32)
+        self.block, self.reentrant = nn.Sequential(norm, nn.Linear(16, 16)), reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        if self.reentrant is None:
+            return self.head(self.block(h))
+        return self.head(torch.utils.checkpoint.checkpoint(self.block, h, use_reentrant=self.reentrant))
+
+
+@pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad=True")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("norm", ["torch", "own"])
+def test_a_norm_in_a_reentrant_checkpoint_is_recorded_as_without_it(norm: str, dtype: torch.dtype) -> None:
+    """A reentrant checkpoint's first pass (no grad) gave the norm's input row a place in the forward order
+    before the recomputation knew whether it would be read: torch's norm in fp32 (never read) and a norm fed the
+    embedding's output (its row holds it) had no row, and every later module's order was one off. The rows and
+    their order are those of the same model without the checkpoint."""
+    got = []
+    for reentrant in (None, True):
+        make = nn.LayerNorm(16) if norm == "torch" else prenorm_overflow.NaiveRMSNorm(16)
+        model = _CheckpointedNorm(make, reentrant).to(dtype)
+        with Profiler(model, sample_every=1, memory=False, block_formats=False) as prof:
+            for step in range(2):
+                ids = torch.randint(0, 32, (4, 8), generator=torch.Generator().manual_seed(step))
+                model(ids).float().square().mean().backward()
+                prof.step()
+        layers = prof.tables()["layers"]
+        acts = layers[layers[T.TENSOR] == T.ACTIVATION]
+        got.append(acts[[T.STEP, T.MODULE, "order", T.NUMEL, T.ZEROS]].sort_values([T.STEP, "order"]))
+    plain, checkpointed = (g.reset_index(drop=True) for g in got)
+    assert list(plain[plain[T.STEP] == 0][T.MODULE]) == ["emb", "block.0", "block.1", "head"]
+    pd.testing.assert_frame_equal(plain, checkpointed)

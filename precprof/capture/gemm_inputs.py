@@ -121,7 +121,11 @@ class GemmInputs:
     def _first_pass_input(self, slot: _ModuleSlot, x: torch.Tensor) -> None:
         """A reentrant checkpoint's first pass gives a matmul ``x``: the module that made it is kept for the
         recomputation (``first_from``), whose input an outer checkpoint may have made again and let go of; not
-        when it was changed in place since that module made it."""
+        when it was changed in place since that module made it. A norm's input of a dtype its row leaves unread
+        (torch's norms read fp16 alone) is marked -2: no row, so no place in the forward order."""
+        if not slot.reads_input and x.dtype not in slot.input_dtypes:
+            slot.first_from = -2
+            return
         found = self._maker_of(x)
         if found is not None and found[0]() is not None and found[2] == _compat.tensor_version(x):
             slot.first_from = found[1]

@@ -443,7 +443,7 @@ class StepHooks(TrainingForward, GradientReads, GemmInputs, StepAttempts, Output
             x = args[0] if args else kwargs.get(key) if kwargs else None
             why = self._not_read()
             if why:
-                if why == _FIRST_PASS and slot.reads_input and isinstance(x, _Tensor):
+                if why == _FIRST_PASS and slot.input >= 0 and isinstance(x, _Tensor):
                     self._first_pass_input(slot, x)
                 self._skipped_forward(slot, why)
                 return None

@@ -181,8 +181,8 @@ class _ModuleSlot:
     order: int = -1
     input_order: int = -1
     ran: bool = False
-    # the row of the module whose output a reentrant checkpoint's first pass gave it (-1: none), for the
-    # recomputation's lookup (``StepHooks._first_pass_input``)
+    # the row of the module whose output a reentrant checkpoint's first pass gave it (-1: none; -2: a norm's input
+    # of a dtype its row leaves unread), for the recomputation's lookup (``StepHooks._first_pass_input``)
     first_from: int = -1
     # the shapes of its calls at the first sampled step it ran in (``call_shape``), for the modules whose output
     # does not tell their matmuls' (``calls_key``): listed under that key in summary capture.modules. None for others

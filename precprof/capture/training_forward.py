@@ -263,7 +263,7 @@ class TrainingForward:
         if slot.order < 0:
             # its input row's place, before it: not where a reentrant first pass found the module that made its
             # input, whose row the recomputation reads (a place no row takes shifted every later module's order)
-            if slot.input >= 0 and slot.input_order < 0 and (why != _FIRST_PASS or slot.first_from < 0):
+            if slot.input >= 0 and slot.input_order < 0 and (why != _FIRST_PASS or slot.first_from == -1):
                 slot.input_order = self.order
                 self.order += 1
             slot.order = self.order

@@ -285,10 +285,7 @@ def _rule_fp32_ops(run: _Run, plan: _Plan) -> None:
             saved = _saved_activation_dtypes(run)
             types = dict(zip(rows[T.MODULE], rows[T.MODULE_TYPE], strict=True))
             in_fp32, alike = _computed_in_fp32(mods, types, saved)
-            # torch's LayerNorm, GroupNorm, RMSNorm: fp32 inside by their code, whatever they kept (fp16 on the CPU)
-            torchs = [
-                m for m in mods if m in set(capture.get("norms_fp32_inside") or ()) and m not in in_fp32
-            ]
+            torchs = [m for m in _torchs(capture, mods) if m not in in_fp32]
             unknown = [m for m in mods if m not in saved and m not in alike and m not in torchs]
             wide = _squared_wide(run, unknown) if dtype == "float16" else []
             mods = [
@@ -313,13 +310,7 @@ def _rule_fp32_ops(run: _Run, plan: _Plan) -> None:
                     f" (Whether they computed in {fmt} inside is not known: no sampled step measured what they kept "
                     f"for their backward{_checkpointed(capture)}.)"
                 )
-            how += _cleared(in_fp32, alike, types, dtype, run.cfg.max_listed_modules)
-            if torchs:
-                classes = ", ".join(sorted({types[m] for m in torchs}))
-                how += (
-                    f" ({_listing(torchs, run.cfg.max_listed_modules)} also produced {dtype} outputs, but torch's "
-                    f"{classes} computes its statistics in fp32 inside and rounds only its output.)"
-                )
+            how += _cleared(in_fp32, alike, types, dtype, run.cfg.max_listed_modules, torchs)
             if wide:
                 how += (
                     f" ({_listing(wide, run.cfg.max_listed_modules)} also produced float16 outputs, and their fp16 "
@@ -434,10 +425,13 @@ def _under_autocast(run: _Run, plan: _Plan, rows: pd.DataFrame, dtype: str, devi
     device's autocast chose 16-bit (CPU autocast lists no norm or softmax), information. Any other module (the
     model's own code, as transformers' RMSNorm, or BatchNorm) produces what its code computes on every device:
     one that kept fp32 tensors for its backward (the memory table) computed in fp32 and rounded only its output,
-    no finding; the others are information, with how to compute their statistics in fp32."""
+    no finding; the others are information, with how to compute their statistics in fp32. torch's LayerNorm,
+    GroupNorm and RMSNorm (``_torchs``) compute in fp32 inside whatever dtype CPU autocast leaves them: none."""
     fmt = "fp16" if dtype == "float16" else "bf16"
     types = dict(zip(rows[T.MODULE], rows[T.MODULE_TYPE], strict=True))
     mods = run.sort(list(types))
+    torchs = _torchs(run.summary.get(T.SUMMARY_CAPTURE) or {}, mods)
+    mods = [m for m in mods if m not in torchs]
     cast_there = [m for m in mods if types[m] in CUDA_AUTOCAST_FP32] if device != "cuda" else []
     saved = _saved_activation_dtypes(run)
     in_fp32, alike = _computed_in_fp32([m for m in mods if m not in cast_there], types, saved)
@@ -474,7 +468,7 @@ def _under_autocast(run: _Run, plan: _Plan, rows: pd.DataFrame, dtype: str, devi
             "module: upcast its input (x.float()) before the reduction and cast the result back to x's dtype, as "
             "transformers' RMSNorm does."
         )
-    rest = _cleared(in_fp32, alike, types, dtype, listed)
+    rest = _cleared(in_fp32, alike, types, dtype, listed, torchs)
     plan.add(
         Finding(
             f"{fmt}_fp32_ops",
@@ -571,9 +565,31 @@ def _wide_step(
     return False
 
 
-def _cleared(in_fp32: list[str], alike: list[str], types: Mapping[str, str], dtype: str, listed: int) -> str:
-    """The sentence on the modules ``_computed_in_fp32`` found computing in fp32: no finding of theirs."""
+def _torchs(capture: Mapping[str, Any], mods: list[str]) -> list[str]:
+    """Of ``mods``, torch's LayerNorm, GroupNorm and RMSNorm (summary capture.norms_fp32_inside): they compute in
+    fp32 inside by their code on every device, whatever they kept for their backward (16-bit on the CPU), and
+    under CPU autocast, which leaves their output in their input's dtype, they still do."""
+    known = set(capture.get("norms_fp32_inside") or ())
+    return [m for m in mods if m in known]
+
+
+def _cleared(
+    in_fp32: list[str],
+    alike: list[str],
+    types: Mapping[str, str],
+    dtype: str,
+    listed: int,
+    torchs: list[str] | None = None,
+) -> str:
+    """The sentences on the modules ``_computed_in_fp32`` found computing in fp32, and on torch's norms that do
+    (``_torchs``): no finding of theirs."""
     said = ""
+    if torchs:
+        classes = ", ".join(sorted({types[m] for m in torchs}))
+        said += (
+            f" ({_listing(torchs, listed)} also produced {dtype} outputs, but torch's {classes} computes its "
+            "statistics in fp32 inside and rounds only its output.)"
+        )
     if in_fp32:
         said += (
             f" ({_listing(in_fp32, listed)} also produced {dtype} outputs and kept fp32 tensors for their backward: "
