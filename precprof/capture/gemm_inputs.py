@@ -77,7 +77,7 @@ class GemmInputs:
 
     def _own_input(self, slot: _ModuleSlot, x: torch.Tensor, blocks: bool = False) -> None:
         """``x`` read into the row of ``slot``'s own input (``T.input_module``): a matmul's that no captured
-        module made, or the input of a user's own norm (``CapturePlan.of``: what its statistics square) that no
+        module made, or the input of a norm (``CapturePlan.of``: what its statistics square) that no
         captured module made as it is (a pre-norm residual sum); one that a module did is that module's output,
         which its row holds: the maker is recorded (``input_from``), as a matmul's, and nothing read twice."""
         if not slot.reads_input:

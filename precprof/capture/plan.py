@@ -81,7 +81,7 @@ def reads_norm_input(module: nn.Module, module_type: str) -> bool:
     module made it as it is (``GemmInputs._own_input``): a norm that holds no module (a "PreNorm" wrapper's output
     is its sublayer's). In a pre-norm transformer that input is a residual sum, which no module returns and no
     other row holds; a hand-written RMSNorm squares it in its dtype, and in fp16 a value of |x| >= 256 squares to
-    inf and zeroes the norm's row. torch's own norms (``NORM_INPUT_DTYPES``) are read where that input is fp16
+    inf and zeroes the norm's row. torch's own norms (``norm_input_dtypes``) are read where that input is fp16
     alone: they compute in fp32 inside, and what their input row tells is the fp16 residual stream's range. The
     advisor's norm and residual-stream rules alone read these rows (``evidence.norm_inputs_aside``)."""
     return taxonomy.kind_of_type(module_type) == taxonomy.NORM and next(module.children(), None) is None

@@ -202,7 +202,7 @@ class _Run:
     order: dict[str, int] = field(default_factory=dict)
     types: dict[str, str] = field(default_factory=dict)
     memory: pd.DataFrame = field(default_factory=pd.DataFrame)
-    # the input rows of the user's own norms (``norm_inputs_aside``) and their histograms: only the rules of a
+    # the input rows of the norms (``norm_inputs_aside``) and their histograms: only the rules of a
     # norm's input read them (rules/fp32_ops, rules/residual); every other rule reads ``:input`` rows as a matmul's
     norm_inputs: pd.DataFrame = field(default_factory=pd.DataFrame)
     norm_input_hist: pd.DataFrame = field(default_factory=pd.DataFrame)
