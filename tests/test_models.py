@@ -286,6 +286,10 @@ def test_an_encoder_s_causal_lm_head_that_sees_ahead_is_refused() -> None:
     assert built.module.training and torch.equal(torch.get_rng_state(), rng)
 
 
+# a one-layer decoder config of a 256-token vocabulary (transformers' field names), for the config tests
+_ONE_LAYER = {"num_hidden_layers": "1", "intermediate_size": "64", "vocab_size": "256"}
+
+
 @needs_hf
 def test_a_hf_config_whose_heads_do_not_divide_is_one_line_naming_the_setting_to_add() -> None:
     """hf:qwen2 with -a num_attention_heads=4 keeps its config's 32 key-value heads: transformers builds the model
@@ -296,13 +300,7 @@ def test_a_hf_config_whose_heads_do_not_divide_is_one_line_naming_the_setting_to
 
     from precprof.errors import ModelError
 
-    args = {
-        "hidden_size": "64",
-        "num_hidden_layers": "1",
-        "num_attention_heads": "4",
-        "intermediate_size": "64",
-        "vocab_size": "256",
-    }
+    args = {**_ONE_LAYER, "hidden_size": "64", "num_attention_heads": "4"}
     # independently: the model builds, and its forward pass fails
     config = AutoConfig.for_model("qwen2", **{k: int(v) for k, v in args.items()})
     assert (config.num_attention_heads, config.num_key_value_heads) == (4, 32)
@@ -330,16 +328,8 @@ def test_a_hf_config_that_fails_its_forward_otherwise_names_the_settings_to_chec
     one line names transformers' line and the settings given, to check against the defaults they leave."""
     from precprof.errors import ModelError
 
-    args = {
-        "hidden_size": "32",
-        "num_hidden_layers": "1",
-        "num_attention_heads": "2",
-        "num_key_value_heads": "2",
-        "intermediate_size": "64",
-        "vocab_size": "256",
-        "num_local_experts": "2",
-        "num_experts_per_tok": "4",
-    }
+    args = {**_ONE_LAYER, "hidden_size": "32", "num_attention_heads": "2", "num_key_value_heads": "2"}
+    args |= {"num_local_experts": "2", "num_experts_per_tok": "4"}
     with pytest.raises(ModelError) as told:
         build_model("hf:mixtral", args, vocab_size=256, seq_len=16)
     line = str(told.value)
@@ -355,15 +345,8 @@ def test_a_hf_config_its_validator_refuses_is_one_line_with_the_reason() -> None
     """transformers 5's configs are strict dataclasses: an odd RoPE head_dim raised huggingface_hub's
     StrictDataclassClassValidationError, which ``precprof train`` printed as a traceback; now one line, with
     the validator's reason rather than its name."""
-    args = {
-        "hidden_size": "60",
-        "num_hidden_layers": "1",
-        "num_attention_heads": "4",
-        "num_key_value_heads": "4",
-        "intermediate_size": "64",
-        "head_dim": "15",
-        "vocab_size": "256",
-    }
+    args = {**_ONE_LAYER, "hidden_size": "60", "num_attention_heads": "4", "num_key_value_heads": "4"}
+    args["head_dim"] = "15"
     with pytest.raises(UserError) as told:
         build_model("hf:llama", args, vocab_size=256, seq_len=16)
     line = str(told.value)

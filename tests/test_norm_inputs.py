@@ -581,3 +581,37 @@ def test_a_norm_in_a_reentrant_checkpoint_is_recorded_as_without_it(norm: str, d
     plain, checkpointed = (g.reset_index(drop=True) for g in got)
     assert list(plain[plain[T.STEP] == 0][T.MODULE]) == ["emb", "block.0", "block.1", "head"]
     pd.testing.assert_frame_equal(plain, checkpointed)
+
+
+def test_torchs_norms_are_asked_whether_they_compute_in_fp32(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whether torch's norms compute in fp32 inside is asked of this torch's kernels (an fp16 row of +-300, whose
+    fp16 square is inf): this torch's three do. A kernel that squared in fp16 (here an RMSNorm's functional form
+    replaced by one) makes its modules judged as a user's norm is: named by fp16_fp32_ops."""
+    from precprof.capture import plan
+
+    assert [plan._fp32_inside_here(i) for i in range(len(plan._FP32_INSIDE))] == [True, True, True]
+    x = torch.tensor([[300.0, -300.0]], dtype=torch.float16)
+    assert torch.equal(nn.RMSNorm(2, elementwise_affine=False).half()(x), torch.tensor([[1.0, -1.0]]).half())
+
+    def squares_in_fp16(x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+    assert torch.equal(squares_in_fp16(x), torch.zeros_like(x))
+    table = [(c, squares_in_fp16 if c is nn.RMSNorm else f) for c, f in plan._FP32_INSIDE]
+    monkeypatch.setattr(plan, "_FP32_INSIDE", tuple(table))
+    plan._fp32_inside_here.cache_clear()
+    try:
+        assert not plan.computes_fp32_inside(nn.RMSNorm(2)) and plan.computes_fp32_inside(nn.LayerNorm(2))
+        m = nn.Sequential(nn.Linear(8, 8), nn.RMSNorm(8), nn.Linear(8, 8), nn.LayerNorm(8)).half()
+        with Profiler(m, sample_every=1, memory=False, block_formats=False) as prof:
+            for _ in range(2):
+                m(torch.randn(4, 8, dtype=torch.float16)).float().sum().backward()
+                prof.step()
+        summary = {T.SUMMARY_CAPTURE: prof.summary()}
+        assert summary[T.SUMMARY_CAPTURE]["norms_fp32_inside"] == ["3"]
+        ops = recommend(prof.tables(), config=AdvisorConfig(small_model_params=0), summary=summary).finding(
+            "fp16_fp32_ops"
+        )
+        assert ops is not None and ops.modules == ["1"]
+    finally:
+        plan._fp32_inside_here.cache_clear()

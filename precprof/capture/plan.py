@@ -17,6 +17,7 @@ the model's own batch, a function's output), with block formats on or off.
 from __future__ import annotations
 
 import fnmatch
+import functools
 import os
 import warnings
 from collections.abc import Iterable, Sequence
@@ -98,16 +99,34 @@ def norm_input_dtypes(module: nn.Module) -> frozenset[torch.dtype]:
     return _FP16 if type(module).__module__.startswith("torch.") else FLOATING
 
 
-# torch's norms without running statistics, which compute their statistics in fp32 inside for 16-bit inputs on
-# every device (the CPU's kernels in opmath, CUDA's in acc_type) and round only their outputs: a subclass that
-# overrides forward is the user's code
-_FP32_INSIDE = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
+# torch's norms without running statistics, which compute their statistics in fp32 inside for 16-bit inputs (the
+# CPU's kernels in opmath, CUDA's in acc_type) and round only their outputs, each with its functional form for
+# ``_fp32_inside_here``: a subclass that overrides forward is the user's code
+_FP32_INSIDE: tuple[tuple[type[nn.Module], Any], ...] = (
+    (nn.LayerNorm, lambda x: nn.functional.layer_norm(x, (2,))),
+    (nn.GroupNorm, lambda x: nn.functional.group_norm(x, 1)),
+    (nn.RMSNorm, lambda x: nn.functional.rms_norm(x, (2,))),
+)
+
+
+@functools.cache
+def _fp32_inside_here(i: int) -> bool:
+    """Whether this torch's ``_FP32_INSIDE[i]`` computes in fp32 inside, asked of its kernel: an fp16 row of +-300
+    squares to inf in fp16 (300^2 > 65504), which zeroes a norm that squares in fp16, and normalises to +-1 in
+    fp32. (A torch whose RMSNorm squared in its input's dtype would have its RMSNorms judged as a user's are.)"""
+    norm = _FP32_INSIDE[i][1]
+    with torch.no_grad():
+        y = norm(torch.tensor([[300.0, -300.0]], dtype=torch.float16))
+    return bool(torch.isfinite(y).all()) and float(y.abs().min()) > 0.5
 
 
 def computes_fp32_inside(module: nn.Module) -> bool:
-    """Whether ``module`` is one of torch's norms that compute in fp32 inside (``_FP32_INSIDE``), its forward
-    torch's (summary capture.norms_fp32_inside)."""
-    return any(isinstance(module, c) and type(module).forward is c.forward for c in _FP32_INSIDE)
+    """Whether ``module`` is one of torch's norms that compute in fp32 inside (``_FP32_INSIDE``, asked of this
+    torch's kernel once), its forward torch's (summary capture.norms_fp32_inside)."""
+    return any(
+        isinstance(module, c) and type(module).forward is c.forward and _fp32_inside_here(i)
+        for i, (c, _) in enumerate(_FP32_INSIDE)
+    )
 
 
 def can_have_grad(p: nn.Parameter) -> bool:
