@@ -590,19 +590,9 @@ def test_torchs_norms_are_asked_whether_they_compute_in_fp32(monkeypatch: pytest
     from precprof.capture import plan
 
     assert all(plan._fp32_inside_here(i) for i in range(len(plan._FP32_INSIDE)))
-    # BatchNorm is not among them: no square overflows it either, but its bf16 output of a batch far from zero
-    # lies tens of units in the last place off the fp32 computation rounded once (LayerNorm's within one): it
-    # stays named by fp16_fp32_ops / bf16_fp32_ops
-    x16 = (torch.randn(8, 16, generator=torch.Generator().manual_seed(0)) * 30 + 100).bfloat16()
-    bn, ln = nn.BatchNorm1d(16).bfloat16(), nn.LayerNorm(16).bfloat16()
-    bn_wide = nn.functional.batch_norm(x16.float(), None, None, training=True).bfloat16()
-    assert (
-        _ulps(ln(x16), nn.functional.layer_norm(x16.float(), (16,)).bfloat16())
-        <= 1
-        < 8
-        < _ulps(bn(x16), bn_wide)
-    )
-    assert not plan.computes_fp32_inside(bn)
+    # BatchNorm is not among them (what a 16-bit cast changes there, its running statistics and what autocast
+    # keeps in fp32, its finding says): it stays named
+    assert not plan.computes_fp32_inside(nn.BatchNorm1d(16))
     x = torch.tensor([[300.0, -300.0]], dtype=torch.float16)
     assert torch.equal(nn.RMSNorm(2, elementwise_affine=False).half()(x), torch.tensor([[1.0, -1.0]]).half())
 
@@ -628,10 +618,3 @@ def test_torchs_norms_are_asked_whether_they_compute_in_fp32(monkeypatch: pytest
         assert ops is not None and ops.modules == ["1"]
     finally:
         plan._fp32_inside_here.cache_clear()
-
-
-def _ulps(y: torch.Tensor, ref: torch.Tensor) -> float:
-    """The largest distance of ``y`` from ``ref`` (bf16) in units in the last place of each element of ``ref``."""
-    r = ref.float()
-    unit = torch.exp2(torch.floor(torch.log2(r.abs().clamp_min(2.0**-20))) - 7)
-    return float(((y.detach().float() - r).abs() / unit).max())
