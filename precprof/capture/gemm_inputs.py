@@ -56,41 +56,45 @@ class GemmInputs:
         the module that made it, or, when no captured module did (the model's own batch, an attention's output)
         or it changed in place since, the layer's row of its own, a convolution's as a linear layer's. Only a
         linear layer's gets the block-format what-if (``input_blocks``, and ``turn``: its group's step)."""
-        found = self._maker_of(x)
-        made = found[0]() if found is not None else None
-        if made is not None and found is not None and found[2] != _compat.tensor_version(x):
-            # changed in place since its maker's hook: the maker's row holds it as it was, the GEMM reads it as
-            # it is now (its own row holds it)
-            found = made = None
-        elif made is not None and found is not None and self._made_again(slot, found[1]):
-            found = made = None
-        if made is None and slot.first_from >= 0 and _compat.backward_pass_id() is not None:
+        got = self._made_as_is(slot, x)
+        if got is None and slot.first_from >= 0 and _compat.backward_pass_id() is not None:
             # a reentrant recomputation's input, remade by an outer checkpoint and let go: its first pass's maker
-            found, made = (weakref.ref(x), slot.first_from, None), x
-        if found is not None and made is not None:
-            slot.input_from.add(found[1])
-            self._read_from[(slot.activation, found[1])] = slot
+            got = (slot.first_from, x)
+        if got is not None:
+            self._read_made(slot, got[0])
             if turn and slot.input_blocks:  # read as the output that made it: several readers count it once
-                self.buffer.accumulate_blocks(_readable(made), found[1])
+                self.buffer.accumulate_blocks(_readable(got[1]), got[0])
         else:
             self._own_input(slot, x, turn and slot.input_blocks)
 
+    def _norm_input(self, slot: _ModuleSlot, x: torch.Tensor) -> None:
+        """A norm's input (``CapturePlan.of``: what its statistics square): the output of the module that made it
+        as it is, which that module's row holds (recorded, as a matmul's, and not read twice), else its own row
+        (a pre-norm residual sum, which no module returns)."""
+        got = self._made_as_is(slot, x)
+        if got is not None:
+            self._read_made(slot, got[0])
+        else:
+            self._own_input(slot, x)
+
+    def _made_as_is(self, slot: _ModuleSlot, x: torch.Tensor) -> tuple[int, torch.Tensor] | None:
+        """The activation row of the captured module whose output ``x`` is, and that output; None when none made
+        it, when it changed in place since its maker's hook (the maker's row holds it as it was, the reader reads
+        it as it is now), or when the maker ran again before ``slot`` read it (``_made_again``)."""
+        found = self._maker_of(x)
+        made = found[0]() if found is not None else None
+        if found is None or made is None or found[2] != _compat.tensor_version(x):
+            return None
+        return None if self._made_again(slot, found[1]) else (found[1], made)
+
+    def _read_made(self, slot: _ModuleSlot, row: int) -> None:
+        """``slot``'s layer read the output of the module whose activation row is ``row`` (its ``input_from``)."""
+        slot.input_from.add(row)
+        self._read_from[(slot.activation, row)] = slot
+
     def _own_input(self, slot: _ModuleSlot, x: torch.Tensor, blocks: bool = False) -> None:
-        """``x`` read into the row of ``slot``'s own input (``T.input_module``): a matmul's that no captured
-        module made, or the input of a norm (``CapturePlan.of``: what its statistics square) that no
-        captured module made as it is (a pre-norm residual sum); one that a module did is that module's output,
-        which its row holds: the maker is recorded (``input_from``), as a matmul's, and nothing read twice."""
-        if not slot.reads_input:
-            found = self._maker_of(x)
-            if (
-                found is not None
-                and found[0]() is not None
-                and found[2] == _compat.tensor_version(x)
-                and not self._made_again(slot, found[1])
-            ):
-                slot.input_from.add(found[1])
-                self._read_from[(slot.activation, found[1])] = slot
-                return
+        """``x`` read into the row of ``slot``'s own input (``T.input_module``): a matmul's or a norm's that no
+        captured module made as it is."""
         if slot.input >= 0 and self._add(local := _readable(x), slot.input):
             if blocks:
                 self.buffer.accumulate_blocks(local, slot.input, read=True)

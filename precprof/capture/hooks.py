@@ -456,7 +456,7 @@ class StepHooks(TrainingForward, GradientReads, GemmInputs, StepAttempts, Output
             if slot.reads_input and isinstance(x, _Tensor):
                 self._gemm_input(slot, x, turn)
             elif slot.input >= 0 and isinstance(x, _Tensor) and x.dtype in slot.input_dtypes:
-                self._own_input(slot, x)  # a norm's input (``CapturePlan.of``)
+                self._norm_input(slot, x)
             if slot.call_shapes is not None and not slot.call_shapes_done:
                 slot.call_shapes.append(call_shape(slot, module, args, kwargs, x))
             if slot.order < 0:

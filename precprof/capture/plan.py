@@ -79,7 +79,7 @@ def leave_out_input_names(plan: CapturePlan, warn: bool = True) -> None:
 
 def reads_norm_input(module: nn.Module, module_type: str) -> bool:
     """Whether a sampled step reads ``module``'s input into a row of its own (``T.input_module``) where no captured
-    module made it as it is (``GemmInputs._own_input``): a norm that holds no module (a "PreNorm" wrapper's output
+    module made it as it is (``GemmInputs._norm_input``): a norm that holds no module (a "PreNorm" wrapper's output
     is its sublayer's). In a pre-norm transformer that input is a residual sum, which no module returns and no
     other row holds; a hand-written RMSNorm squares it in its dtype, and in fp16 a value of |x| >= 256 squares to
     inf and zeroes the norm's row. torch's own norms (``norm_input_dtypes``) are read where that input is fp16
