@@ -1150,7 +1150,8 @@ def test_k_manual_static_loss_scale_is_read_at_its_scale() -> None:
 
 def test_l_what_the_guide_keeps_in_fp32_found_in_bf16() -> None:
     """A model cast to bf16: norms and softmax ran in bf16, BatchNorm's running statistics and AdamW's states
-    are bf16; each is a finding naming what it found, and the modules go into keep_fp32. Under autocast none.
+    are bf16; each is a finding naming what it found (the BatchNorm both name, said so), and the modules go into
+    keep_fp32. Under autocast none.
     torch's LayerNorm computes in fp32 inside, its bf16 output rounded once: said so, not named."""
     pure = fp32_ops.run(pure=True)
     rec = pure.recommend("a100")
@@ -1163,6 +1164,8 @@ def test_l_what_the_guide_keeps_in_fp32_found_in_bf16() -> None:
     )
     bufs = found["low_precision_buffers"]
     assert set(bufs.modules) == {"bn"} and "bn.running_mean (bfloat16)" in bufs.message
+    # the BatchNorm both findings name: one cast back fixes both, said in the buffers' finding
+    assert "bn also computed in 16-bit (bf16_fp32_ops): one .float() of each keeps both" in bufs.message
     opt = found["low_precision_optimizer_states"]
     assert opt.numbers["low_precision_bytes"] > 0.9 * opt.numbers["bytes"]  # all but the fp32 step counters
     assert {"bn", "attn"} <= set(rec.keep_fp32) and "ln" not in rec.keep_fp32

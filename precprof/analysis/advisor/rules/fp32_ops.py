@@ -665,13 +665,24 @@ def _rule_low_precision_buffers(run: _Run, plan: _Plan, capture: Mapping[str, An
     if stats:
         mods = run.sort(list(dict.fromkeys(str(b.get("module", "")) for b in stats)))
         plan.keep_fp32_ops += [m for m in mods if m not in plan.keep_fp32_ops]
+        # the same modules named for computing in 16-bit (a BatchNorm of a model cast with .half()): one cast
+        # back keeps both in fp32, said once rather than read as two problems
+        ops = [f for f in plan.findings if f.code in ("fp16_fp32_ops", "bf16_fp32_ops")]
+        both = [m for m in mods if any(m in f.modules for f in ops)]
         plan.add(
             Finding(
                 "low_precision_buffers",
                 WARNING,
                 f"{len(stats)} normalisation buffer(s) held in 16-bit",
                 f"{named(stats)}: running statistics accumulate small updates (momentum 0.1 of a batch statistic) "
-                "that a 16-bit value rounds away, and fp16's range clips a running variance.",
+                "that a 16-bit value rounds away, and fp16's range clips a running variance."
+                + (
+                    f" {_listing(both, run.cfg.max_listed_modules)} also computed in 16-bit "
+                    f"({' and '.join(f.code for f in ops)}): one .float() of each keeps both its computation and "
+                    "its statistics in fp32."
+                    if both
+                    else ""
+                ),
                 "Keep normalisation modules and their buffers in fp32 (module.float()).",
                 modules=mods,
                 numbers={"buffers": len(stats)},
