@@ -59,10 +59,11 @@ from precprof.analysis.advisor.rules.clipping import _rule_scaled_clipping
 from precprof.analysis.advisor.rules.float64 import _rule_float64
 from precprof.analysis.advisor.rules.fp8 import _rule_fp8
 from precprof.analysis.advisor.rules.fp16 import _rule_fp16_activations, _rule_loss_scale
-from precprof.analysis.advisor.rules.fp32_ops import _rule_fp16_norm_square, _rule_fp32_ops
+from precprof.analysis.advisor.rules.fp32_ops import _rule_fp32_ops
 from precprof.analysis.advisor.rules.hardware import _rule_hardware, _rule_small_model
 from precprof.analysis.advisor.rules.no_gradient import _rule_no_gradient
 from precprof.analysis.advisor.rules.nonfinite import _rule_diverged, _rule_nonfinite
+from precprof.analysis.advisor.rules.norm_square import _rule_fp16_norm_square
 from precprof.analysis.advisor.rules.residual import _rule_fp16_residual
 from precprof.analysis.advisor.rules.shapes import _rule_alignment
 from precprof.analysis.advisor.rules.unused import _rule_unused_modules
