@@ -436,7 +436,11 @@ def _rule_low_precision_buffers(run: _Run, plan: _Plan, capture: Mapping[str, An
         plan.keep_fp32_ops += [m for m in mods if m not in plan.keep_fp32_ops]
         # the same modules named for computing in 16-bit (a BatchNorm of a model cast with .half()): one cast
         # back keeps both in fp32, said once rather than read as two problems
-        ops = [f for f in plan.findings if f.code in ("fp16_fp32_ops", "bf16_fp32_ops")]
+        ops = [
+            f
+            for f in plan.findings
+            if f.code in ("fp16_fp32_ops", "bf16_fp32_ops") and any(m in f.modules for m in mods)
+        ]
         both = [m for m in mods if any(m in f.modules for f in ops)]
         plan.add(
             Finding(
