@@ -845,8 +845,8 @@ def stage_profile(run: Run) -> dict[str, Any]:
 
     add = triton_engine.TritonRows.add
 
-    def counted_add(self: Any, x: torch.Tensor, rows: torch.Tensor, row: int) -> bool:
-        done = add(self, x, rows, row)
+    def counted_add(self: Any, x: torch.Tensor, rows: torch.Tensor, row: int, *rest: Any) -> bool:
+        done = add(self, x, rows, row, *rest)  # (rest: the stream, when the caller passes it)
         if done:
             launched.append((x.numel(), str(x.dtype).removeprefix("torch."), tuple(x.shape)))
         return done
