@@ -189,3 +189,58 @@ def test_the_buffers_background_warm_runs_it_first_and_says_so(
     ref = StatsBuffer(1, "cpu", engine="c")
     ref.accumulate(x, 0)
     assert (buf.to_host()[0] == ref.to_host()[0]).all()
+
+
+_EXIT_SCRIPT = r"""
+import atexit, sys, time
+import torch
+from precprof.stats import StatsBuffer, buffer, triton_ahead
+torch.cuda.get_device_capability = lambda device=None: (9, 0)  # the other process compiles for an H100's target
+buf = StatsBuffer(2, "cpu", engine="triton", host_rows=False, dtypes=[torch.float32])
+said = []
+# registered before the compile's own exit handler, so run after it (atexit runs the last registered first)
+atexit.register(lambda: said.append(("after", buf.warm_error, thread.is_alive())) or print(said))
+thread = buffer._start_beside(buf._warm_beside, buf.primary, True)  # the compile beside a CUDA training
+t0 = time.monotonic()
+while not triton_ahead._RUNNING and time.monotonic() - t0 < 60:
+    time.sleep(0.01)
+print("child", [p.pid for p in triton_ahead._RUNNING], flush=True)
+sys.exit(0)  # the training ends while the other process compiles
+"""
+
+
+def test_an_exit_during_the_compile_beside_the_training_ends_it_first(tmp_path: Path) -> None:
+    """A process that exits while its kernels compile in another process (a 3-step run; the compile takes
+    seconds to tens of them): the other process is killed at once instead of compiling on for nobody, the
+    thread waiting for it skips its own compile and ends before the interpreter finalises (a daemon thread left
+    inside Triton's C++ aborted an H200's process at exit: "terminate called without an active exception"),
+    and the process exits 0. With an empty cache the compile would take many seconds; the exit takes the
+    imports' time."""
+    import subprocess
+    import sys
+
+    # the rows on the CPU in Triton's interpreter; the other process compiles for sm_90 into an empty cache
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path), "TRITON_INTERPRET": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", _EXIT_SCRIPT], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    (child,) = [line for line in lines if line.startswith("child")]
+    pids = [int(p) for p in re.findall(r"\d+", child)]
+    assert len(pids) == 1, lines
+    # the handler after the compile's: the thread ended, the warm said why
+    assert lines[-1] == repr([("after", f"RuntimeError: {triton_ahead.CANCELLED}", False)]), lines
+    # the other process was killed, not left compiling (an orphan is reparented and reaped: gone, or a zombie)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pids[0]}/stat").read_text().split(")")[-1].split()[0]
+        except FileNotFoundError:
+            break
+        if state == "Z":
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail(f"the other process {pids[0]} is still running after the exit")
+    assert not [f for f in _files(tmp_path) if f.endswith(".cubin")]  # it compiled nothing to the end

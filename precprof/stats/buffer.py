@@ -27,6 +27,7 @@ the unscaled histogram (a shift of bins by log2 s, exact for power-of-two scales
 
 from __future__ import annotations
 
+import atexit
 import threading
 import time
 from collections.abc import Sequence
@@ -74,6 +75,44 @@ BESIDE_WORKERS = 2
 # the others, slowed the training thread's steps up to 11x)
 _COMPILING: dict[tuple[str, tuple[str, ...], bool], threading.Lock] = {}
 _COMPILING_LOCK = threading.Lock()
+
+# The compiles beside the training still running end before the interpreter does. Left to run, a daemon thread
+# inside Triton's C++ (a compile, a module load) that takes the interpreter lock back during finalisation is
+# ended by pthread_exit, whose unwinding through C++ aborts the process ("terminate called without an active
+# exception", exit status -6: a 3-step `precprof train` on an H200, gpu_validate 2026-12-04), and the other
+# process would compile on for nobody. At exit: the other process is killed, a thread that has not begun its
+# in-process compile skips it, and each thread is waited for (at most EXIT_WAIT_S; a compile from Triton's
+# cache takes about a second)
+EXIT_WAIT_S = 60.0
+_BESIDE: set[threading.Thread] = set()
+_BESIDE_LOCK = threading.Lock()
+_EXITING = threading.Event()
+_AT_EXIT: list[bool] = []  # [True] once ``_end_beside_at_exit`` is registered
+
+
+def _start_beside(target: Any, *args: Any) -> threading.Thread:
+    """Start a compile beside the training on a daemon thread that the interpreter's exit waits for."""
+    thread = threading.Thread(target=target, args=args, name="precprof-triton-warm", daemon=True)
+    with _BESIDE_LOCK:
+        if not _AT_EXIT:
+            atexit.register(_end_beside_at_exit)
+            _AT_EXIT.append(True)
+        _BESIDE.add(thread)
+    thread.start()
+    return thread
+
+
+def _end_beside_at_exit(wait_s: float = EXIT_WAIT_S) -> int:
+    """The interpreter's exit (``atexit``, after its other threads are joined and before it finalises): end the
+    compiles beside the training; how many threads were still running."""
+    _EXITING.set()
+    triton_ahead.cancel_all()
+    with _BESIDE_LOCK:
+        threads = [t for t in _BESIDE if t.is_alive()]
+    deadline = time.monotonic() + wait_s
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    return len(threads)
 
 
 def _compile_lock(device: torch.device, dtypes: Sequence[torch.dtype], blocks: bool) -> threading.Lock:
@@ -197,22 +236,22 @@ class StatsBuffer:
                 assert isinstance(part, DeviceRows)
                 if self._background and device == self.device:
                     triton_engine.preload_compiler()  # here, not on the compile's threads
-                    thread = threading.Thread(
-                        target=self._warm_beside, args=(part,), name="precprof-triton-warm", daemon=True
-                    )
-                    self._warming.append(thread)
-                    thread.start()
+                    ahead = device.type == "cuda"
+                    self._warming.append(_start_beside(self._warm_beside, part, ahead))
                 else:
                     self._triton_warm(part)
             self._parts[device] = part
         return part
 
-    def _warm_beside(self, part: DeviceRows) -> None:
+    def _warm_beside(self, part: DeviceRows, ahead: bool) -> None:
         t0 = self.warm_t0 = time.perf_counter()
         try:
-            self._triton_warm(part, workers=BESIDE_WORKERS, ahead=part.device.type == "cuda")
+            self._triton_warm(part, workers=BESIDE_WORKERS, ahead=ahead)
         except Exception as e:  # the kernels then compile at their first launch; the run goes on
             self.warm_error = f"{type(e).__name__}: {e}"
+        finally:
+            with _BESIDE_LOCK:
+                _BESIDE.discard(threading.current_thread())
         self.warm_s = time.perf_counter() - t0
 
     @property
@@ -255,6 +294,8 @@ class StatsBuffer:
                     part._triton, capability, self.dtypes, block_dtypes, _blocks.RECIPES
                 )
                 self.ahead_error = triton_ahead.compile_ahead(spec)
+            if _EXITING.is_set():  # the process is exiting: nothing will launch these kernels
+                raise RuntimeError(triton_ahead.CANCELLED)
             t0 = time.perf_counter()
             # the compiles run side by side, all done at the block's exit
             with triton_engine.parallel_compile(tasks, workers):

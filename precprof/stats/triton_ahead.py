@@ -22,6 +22,7 @@ import os
 import pickle
 import subprocess
 import sys
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -101,26 +102,56 @@ def compile_here(spec: Ahead) -> int:
 
 def compile_ahead(spec: Ahead, timeout_s: float = TIMEOUT_S) -> str | None:
     """Run ``compile_here(spec)`` in another Python process (this one waits without the interpreter lock);
-    None when it compiled, else why not, in one line."""
+    None when it compiled, else why not, in one line. ``cancel_all`` ends it (the training's process exiting)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     # the package as this process imports it (a source tree on sys.path, not installed, included)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    cmd = [sys.executable, "-c", "import sys, precprof.stats.triton_ahead as t; sys.exit(t.main())"]
     try:  # whatever goes wrong here (a layout that does not pickle, no interpreter to start) is reported
-        done = subprocess.run(
-            [sys.executable, "-c", "import sys, precprof.stats.triton_ahead as t; sys.exit(t.main())"],
-            input=pickle.dumps(spec),
-            env=env,
-            capture_output=True,
-            timeout=timeout_s,
-            check=False,
-        )
+        with _RUNNING_LOCK:
+            if _CANCELLED.is_set():
+                return CANCELLED
+            proc = subprocess.Popen(
+                cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
+            )
+            _RUNNING.add(proc)
+        try:
+            _out, err = proc.communicate(pickle.dumps(spec), timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            return f"TimeoutExpired: no compile in {timeout_s:.0f} s"
+        finally:
+            with _RUNNING_LOCK:
+                _RUNNING.discard(proc)
     except Exception as e:
         return f"{type(e).__name__}: {e}".splitlines()[0]
-    if done.returncode != 0:
-        tail = done.stderr.decode(errors="replace").strip().splitlines()
-        return f"exit {done.returncode}: {tail[-1] if tail else 'no message'}"
+    if _CANCELLED.is_set():
+        return CANCELLED
+    if proc.returncode != 0:
+        tail = err.decode(errors="replace").strip().splitlines()
+        return f"exit {proc.returncode}: {tail[-1] if tail else 'no message'}"
     return None
+
+
+# the other processes compiling now, ended by ``cancel_all``
+_RUNNING: set[subprocess.Popen] = set()
+_RUNNING_LOCK = threading.Lock()
+_CANCELLED = threading.Event()
+CANCELLED = "cancelled: the process exited before the kernels compiled"
+
+
+def cancel_all() -> int:
+    """End every compile in another process, now and from now on (the training's process is exiting: the other
+    process would compile for nobody, and its waiting thread must end before the interpreter does); how many
+    were running."""
+    with _RUNNING_LOCK:
+        _CANCELLED.set()
+        running = list(_RUNNING)
+    for proc in running:
+        proc.kill()  # (nothing when it ended meanwhile)
+    return len(running)
 
 
 def spec_of(
