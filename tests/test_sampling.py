@@ -797,3 +797,56 @@ def test_no_step_waits_for_the_statistics_kernels_to_compile(monkeypatch: pytest
     first = sampling["first_sampled_step"]
     assert reasons[first] == reasons[first + 1] == "first" and min(reasons) == first
     assert prof.summary()["stats_engine"]["compiled_beside_training_s"] >= 1.0
+
+
+def test_a_run_that_ended_while_the_kernels_compiled_is_told_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A short first run (3 steps) that ends before the statistics kernels have compiled beside it samples no
+    step, though it set no interval of 0: the recommendation says why nothing was measured (the compile) and
+    that the next run finds the kernels in Triton's cache, not "sample_every=0 records none" (what a 3-step
+    `precprof train` on an H200 was told)."""
+    import threading
+
+    from precprof.stats import buffer as buffer_mod
+    from precprof.stats import triton_engine
+
+    if triton_engine.unavailable(torch.device("cpu")) is not None:
+        pytest.skip("needs triton with TRITON_INTERPRET=1")
+    monkeypatch.setenv("PRECPROF_STATS_ENGINE", "triton")
+    real = buffer_mod.StatsBuffer._triton_warm
+    release = threading.Event()
+
+    def slow_compile(self: buffer_mod.StatsBuffer, part: object, **kw: object) -> None:
+        release.wait(30)  # a cold compile (16 s on an H200), done when the run has ended
+        real(self, part, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(buffer_mod.StatsBuffer, "_triton_warm", slow_compile)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    prof = precprof.Profiler(model, optimizer=opt, memory=False).attach()
+    try:
+        for _ in range(3):
+            model(torch.randn(4, 8)).square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            prof.step()
+    finally:
+        prof.detach()
+        release.set()
+    sampling = prof.summary()["sampling"]
+    assert sampling["held_for_compile"] >= 3 and sampling["first_sampled_step"] is None
+    rec = precprof.recommend(prof, hardware="h100")
+    said = " ".join(rec.reasons)
+    assert (
+        "this run recorded no per-layer statistics (its 3 steps ran while precprof's statistics kernels compiled "
+        "beside the training, as they do on a machine's first run); Triton keeps them in its cache" in said
+    ), said
+    assert "sample_every=0" not in said and "records none" not in said
+    # and the report's "steps sampled" row says the same
+    from precprof.report.environment import sampling_text
+
+    row = sampling_text(sampling, 0, 3)
+    assert row.endswith(
+        "; none: the run ended while the statistics kernels compiled beside the training (a machine's first run "
+        "compiles them; the next finds them in Triton's cache)"
+    ), row

@@ -989,6 +989,11 @@ def sampling_text(
     held, first = _int(s.get("held_for_compile")), _int(s.get("first_sampled_step"))
     if held and first is not None:
         text += f"; from step {F.count(first)}, once the statistics kernels had compiled beside the training"
+    elif held and not sampled:
+        text += (
+            "; none: the run ended while the statistics kernels compiled beside the training (a machine's first "
+            "run compiles them; the next finds them in Triton's cache)"
+        )
     compiled = _int(s.get("compile_steps"))
     if compiled and s.get("mode") == "budget":
         text += (

@@ -27,10 +27,7 @@ def _not_measured(run: _Run, plan: _Plan) -> str:
             "forward pass finished a layer on a sampled step)"
         )
     if not plan.measured:
-        return (
-            f"not measured: this run recorded no per-layer statistics ({T.sample_every_setting(run.run_config, '0')} "
-            f"records none); profile with {T.sample_every_setting(run.run_config)} to measure it"
-        )
+        return f"not measured: this run recorded no per-layer statistics {_why_unsampled(run)}"
     if plan.forward_broken and plan.gradients_measured:
         return "not measured: every sampled step's forward pass was already non-finite, and its gradients with it"
     if plan.gradients_valueless:
@@ -39,6 +36,32 @@ def _not_measured(run: _Run, plan: _Plan) -> str:
             "nonzero value to place against a format's range"
         )
     return "not measured: no gradient was recorded on a sampled step (no backward pass was seen)"
+
+
+def _why_unsampled(run: _Run) -> str:
+    """Why a run recorded no per-layer statistics, in parentheses, and how to record them: its steps all ran while
+    the statistics kernels compiled beside the training (a short first run on a machine: the message once said
+    "--sample-every 0 records none" to a 3-step run on an H200 that set no interval), an interval of 0, or
+    neither (no step was sampled)."""
+    capture = run.summary.get(T.SUMMARY_CAPTURE)
+    capture = capture if isinstance(capture, Mapping) else {}
+    sampling = capture.get("sampling")
+    sampling = sampling if isinstance(sampling, Mapping) else {}
+    held = sampling.get("held_for_compile")
+    if isinstance(held, int) and held > 0 and sampling.get("first_sampled_step") is None:
+        n = len(run.steps)  # (``held`` counts the step a detach ended too, begun by the last prof.step())
+        steps = f"its {n} steps" if n > 1 else "its one step" if n == 1 else "its steps"
+        return (
+            f"({steps} ran while precprof's statistics kernels compiled beside the training, as they do on a "
+            "machine's first run); Triton keeps them in its cache, so a longer run, or the same run again, "
+            "measures it"
+        )
+    if capture.get("sample_every") == 0:
+        return (
+            f"({T.sample_every_setting(run.run_config, '0')} records none); profile with "
+            f"{T.sample_every_setting(run.run_config)} to measure it"
+        )
+    return f"(no step was sampled); profile with {T.sample_every_setting(run.run_config, '1')} to measure it"
 
 
 def _fp8_numbers_why_not(plan: _Plan, cfg: AdvisorConfig) -> str:
