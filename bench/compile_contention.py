@@ -9,7 +9,7 @@ This bench needs no GPU: it compiles the block kernel for an sm_90 target (``tri
 ``tests/test_triton_block.py`` does) on ``--workers`` threads, ``--variants`` variants, while the main thread
 repeats a unit of host work (a loop of small torch ops), and reports the main thread's rate in each quarter
 second against its rate alone. The preloaded configurations first import in the main thread what the compile
-imports lazily (``triton_engine.preload_compiler``, as the Profiler's attach does: 0.12-0.18 s here).
+imports lazily (``triton_compile.preload_compiler``, as the Profiler's attach does: 0.12-0.18 s here).
 
 On this project's 2-core machine (``bench/results/compile_contention_cpu.json``, triton 3.9 and 3.6, 2 repeats):
 importing ``triton`` itself on the compile's thread left the main thread 2% of its rate for a quarter second
@@ -104,13 +104,13 @@ def child(workers: int, variants: int, preload: bool, process: bool = False) -> 
     t0 = time.perf_counter()
     import triton
 
-    from precprof.stats import triton_block_kernels, triton_engine, triton_kernels  # noqa: F401
+    from precprof.stats import triton_block_kernels, triton_compile, triton_engine, triton_kernels  # noqa: F401
 
     imported_s = time.perf_counter() - t0
     preload_s = None
     if preload:
         t0 = time.perf_counter()
-        triton_engine.preload_compiler()
+        triton_compile.preload_compiler()
         preload_s = time.perf_counter() - t0
     alone = _rate(2.0)
     todo = _todo(variants)

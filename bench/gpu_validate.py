@@ -354,7 +354,8 @@ def _launch_costs(run: Run) -> dict[str, Any]:
     if direct is not None:
         lo, scratch, uf, fp8 = rows_engine._ptrs[0]
         geometry = rows_engine._geometry(x)
-        args = (x.data_ptr(), *geometry, data.data_ptr(), 0, scratch, lo, uf, fp8, *te._GRID_PID)
+        hint = rows_engine._fit_hint(data)
+        args = (x.data_ptr(), *geometry, data.data_ptr(), 0, scratch, lo, uf, fp8, hint, *te._GRID_PID)
         out["direct_launcher_us"] = per_call_us(lambda: direct(1, stream, args))
         full = (*args, *direct._constexprs)
         run_ = direct._run
@@ -540,8 +541,8 @@ def _row_shapes(run: Run) -> list[dict[str, Any]]:
     """The Triton row kernel's throughput at 64M elements by ``ROW_SHAPES``, fp32 and bf16, beside ``x.sum()``
     (a dry run: 256 elements and the first two shapes in Triton's interpreter, where the engine is
     available: a launch there takes a second)."""
+    from precprof.stats import triton_compile, triton_launch
     from precprof.stats import triton_engine as te
-    from precprof.stats import triton_launch
     from precprof.stats.layout import LAYOUT
 
     out: list[dict[str, Any]] = []
@@ -557,7 +558,7 @@ def _row_shapes(run: Run) -> list[dict[str, Any]]:
         for bw in (ROW_SHAPES[:2] if run.dry else ROW_SHAPES)
     }
     t0 = time.perf_counter()
-    with te.parallel_compile(len(shapes) * len(variants)):
+    with triton_compile.parallel_compile(len(shapes) * len(variants)):
         compiled = [rows.warm(load=False, variants=variants) for rows in shapes.values()]
     for rows, kernels in zip(shapes.values(), compiled, strict=True):
         triton_launch.load_kernels(kernels)
@@ -823,13 +824,23 @@ def stage_profile(run: Run) -> dict[str, Any]:
     events: list[Any] = []
     chunks: list[tuple[int, int]] = []  # (tensors, elements) of each launch of _rows_many
 
+    rereads: list[int] = []  # programs of the row kernels that read their blocks twice, in the profiled step
+
+    def engine() -> Any:
+        part = prof._buffer.primary if prof is not None and prof._buffer is not None else None
+        return getattr(part, "_triton", None)
+
     def profiled() -> Any:
         for _ in range(1 if run.dry else 3):  # (a dry run: the plumbing)
             step()
         launched.clear()
         chunks.clear()
+        rows = engine()
+        before = rows.rereads() if rows is not None else 0  # (a sync, outside the profiled step)
         with torch.profiler.profile(activities=acts) as tp:
             step()
+        if rows is not None:
+            rereads[:] = [rows.rereads() - before]
         events[:] = list(tp.events())
         return tp.key_averages()
 
@@ -843,6 +854,7 @@ def stage_profile(run: Run) -> dict[str, Any]:
         prof._buffer.wait_ready()  # the kernels precprof launches once its compile is done, not a first compile
     from precprof.stats import triton_engine
 
+    te_block = triton_engine.BLOCK
     add = triton_engine.TritonRows.add
 
     def counted_add(self: Any, x: torch.Tensor, rows: torch.Tensor, row: int, *rest: Any) -> bool:
@@ -921,6 +933,13 @@ def stage_profile(run: Run) -> dict[str, Any]:
         }
         launches = [e for e in ka if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx")]
         out["kernel_launches"] = sum(e.count for e in launches)
+    # programs that met a value outside their window and read their blocks again (the rows' hints place
+    # the windows from the warm-up steps' tensors), against the programs of the one-tensor launches
+    maxp = engine().max_programs if engine() is not None else 0
+    out["row_programs_read_twice"] = {
+        "programs": rereads[0] if rereads else None,
+        "programs_of_one_tensor_launches": sum(min(maxp, -(-n // te_block)) for n, _, _ in launched),
+    }
     out["cpu_top"] = [
         {"name": e.key[:120], "calls": e.count, "self_cpu_ms": e.self_cpu_time_total / 1e3}
         for e in sorted(ka, key=lambda e: -e.self_cpu_time_total)[:25]

@@ -165,10 +165,10 @@ def test_the_direct_launcher_calls_the_compiled_launcher_as_tritons_launch_does(
         def launch_metadata(self, grid: Any, stream: int, *args: Any) -> Any:
             return ("meta", grid, stream, len(args))
 
-    consts = {name: i for i, name in enumerate(tk._rows_many.arg_names[54:])}
+    consts = {name: i for i, name in enumerate(tk._rows_many.arg_names[55:])}
     assert tk._rows_many.arg_names[:2] == ["x0", "x1"] and next(iter(consts)) == "KIND"
     launch = _DirectLaunch(tk._rows_many, Compiled(), consts)
-    args = tuple(range(54))
+    args = tuple(range(55))
     launch(7, 123, args, 3)
     assert calls[-1] == (7, 3, 1, 123, "fn", "packed", None, None, None, *args, *consts.values())
     # Triton's own default: empty chains of hooks (none to call), or no hook at all
@@ -183,7 +183,7 @@ def test_the_direct_launcher_calls_the_compiled_launcher_as_tritons_launch_does(
     chain.add(seen.append)
     monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", chain)
     launch(2, 5, args)
-    meta = ("meta", (2, 1, 1), 5, 54 + len(consts))
+    meta = ("meta", (2, 1, 1), 5, 55 + len(consts))
     assert calls[-1] == (2, 1, 1, 5, "fn", "packed", meta, chain, None, *args, *consts.values())
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from _s129a_interpreter import skip_nested_patching
 
-from precprof.stats import StatsBuffer, triton_engine
+from precprof.stats import StatsBuffer, triton_compile, triton_engine
 
 pytestmark = pytest.mark.skipif(
     triton_engine.unavailable(torch.device("cpu")) is not None,
@@ -152,12 +152,12 @@ def test_the_compiler_is_imported_before_the_compile_threads_start() -> None:
     import subprocess
     import sys
 
-    assert triton_engine.preload_compiler() == []  # the suite runs under TRITON_INTERPRET=1
+    assert triton_compile.preload_compiler() == []  # the suite runs under TRITON_INTERPRET=1
     code = (
         "import sys, json\n"
-        "from precprof.stats import triton_engine as te\n"
-        "done = te.preload_compiler()\n"
-        "print(json.dumps([done, [m for m in te._COMPILER_MODULES if m in sys.modules], te.preload_compiler()]))\n"
+        "from precprof.stats import triton_compile as tc\n"
+        "done = tc.preload_compiler()\n"
+        "print(json.dumps([done, [m for m in tc._COMPILER_MODULES if m in sys.modules], tc.preload_compiler()]))\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
@@ -191,3 +191,42 @@ def test_another_block_and_warps_write_the_same_rows() -> None:
                 want = StatsBuffer(1, "cpu", engine="c")
                 want.accumulate(x.contiguous(), 0)
                 assert np.array_equal(got.numpy(), want.to_host()), (block, dtype, tuple(x.shape), x.stride())
+
+
+def test_a_rows_hint_places_the_next_tensors_window_and_every_count_stays_exact() -> None:
+    """A logits' gradient (softmax minus one-hot over N tokens: most values near 2^-27, each target's -1/N
+    16 binades above): a program's first block holds no target, so its window (from that block) misses the
+    targets of its later blocks and every program reads its blocks twice (97% of gpt2-small's, measured by
+    bench/window_reread.py). The kernel leaves the tensor's span in the row's hint; the next tensor read into
+    that row gets a window over that span, and no program reads twice. A span wider than the window (28
+    binades) leaves the first block's rule, and a hint from another tensor (a stale one) only moves the
+    window: the rows equal the C kernel's every time."""
+    g = torch.Generator().manual_seed(0)
+    n = 64 * triton_engine.BLOCK
+    x = (1 + torch.rand(n, generator=g)) * 2.0**-27
+    x[2 * 4 * triton_engine.BLOCK :: 997] = (
+        -(1 + torch.rand(1, generator=g)) * 2.0**-11
+    )  # no target in a first block
+    x = x.to(torch.bfloat16)
+    wide = torch.cat([x[: n // 2], torch.full((n // 2,), 2.0**6, dtype=torch.bfloat16)])  # 33 binades
+    far = torch.full((n,), 2.0**5, dtype=torch.bfloat16)  # another tensor's span: x is far below it
+
+    tri = StatsBuffer(3, "cpu", engine="triton")
+    engine = tri.primary._triton  # type: ignore[union-attr]
+    assert engine is not None and engine.max_programs == 4
+    c = StatsBuffer(3, "cpu", engine="c")
+
+    def read(t: torch.Tensor, row: int) -> int:
+        before = engine.rereads()
+        tri.accumulate(t, row)
+        c.accumulate(t, row)
+        assert np.array_equal(tri.to_host(), c.to_host()), row
+        return engine.rereads() - before
+
+    assert read(x, 0) == 4  # no hint yet: every program met a target outside its window
+    assert read(x, 0) == 0  # the row's hint: the window holds the whole span
+    assert read(x, 0) == 0
+    assert read(wide, 1) > 0 and read(wide, 1) > 0  # too wide a span for a hint: the first block's rule
+    read(far, 2)
+    assert read(x, 2) == 4  # a stale hint (x is 32 binades below it): read twice, counted exactly
+    assert read(x, 2) == 0

@@ -38,7 +38,7 @@ import torch
 
 from precprof import _compat
 from precprof.stats import blocks as _blocks
-from precprof.stats import triton_ahead, triton_engine, triton_launch
+from precprof.stats import triton_ahead, triton_compile, triton_engine, triton_launch
 from precprof.stats.engine import resolve_engine
 from precprof.stats.layout import LAYOUT, RowLayout, merge_rows
 from precprof.stats.rows import Rows
@@ -235,7 +235,7 @@ class StatsBuffer:
             if name == "triton":
                 assert isinstance(part, DeviceRows)
                 if self._background and device == self.device:
-                    triton_engine.preload_compiler()  # here, not on the compile's threads
+                    triton_compile.preload_compiler()  # here, not on the compile's threads
                     ahead = device.type == "cuda"
                     self._warming.append(_start_beside(self._warm_beside, part, ahead))
                 else:
@@ -298,7 +298,7 @@ class StatsBuffer:
                 raise RuntimeError(triton_ahead.CANCELLED)
             t0 = time.perf_counter()
             # the compiles run side by side, all done at the block's exit
-            with triton_engine.parallel_compile(tasks, workers):
+            with triton_compile.parallel_compile(tasks, workers):
                 kernels = part._triton.warm(self.dtypes, load=False)
                 if block_dtypes and part._triton_blocks is not None:
                     kernels += part._triton_blocks.warm(block_dtypes, load=False)

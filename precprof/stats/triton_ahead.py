@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from precprof._priority import LOWEST, lower_own_priority
-from precprof.stats import triton_block, triton_engine
+from precprof.stats import triton_block, triton_compile, triton_engine
 from precprof.stats.layout import RowLayout
 
 # the other process's limit: a compile of every variant took 34 s on an H200 machine's 16 cores
@@ -93,7 +93,7 @@ def compile_here(spec: Ahead) -> int:
         stages=spec.stages,
     )
     tasks = 4 * len(spec.dtypes) + 2 * len(spec.block_dtypes)
-    with triton_engine.parallel_compile(tasks):
+    with triton_compile.parallel_compile(tasks):
         kernels = rows.warm(spec.dtypes, load=False)
         if spec.block_dtypes:
             kernels += triton_block.compile_kernels(cpu, spec.block_dtypes, spec.recipes)

@@ -390,7 +390,7 @@ class TritonBlocks:
 
     def warm(self, dtypes: Sequence[torch.dtype], *, load: bool = True) -> list[Any]:
         """Compile (no GPU work, no sync) the kernels ``add`` launches for tensors of ``dtypes``; returns them
-        (Triton's futures under ``triton_engine.parallel_compile``), kept for ``adopt_compiled``, and loaded
+        (Triton's futures under ``triton_compile.parallel_compile``), kept for ``adopt_compiled``, and loaded
         onto the device unless ``load=False``. Nothing in the interpreter."""
         if interpreting():
             self.direct_status = "Triton's launch (no compiled kernel in the interpreter)"

@@ -8,7 +8,8 @@ are never converted by float arithmetic (no flush-to-zero can touch a subnormal)
 
 - histograms the native key (2 * exponent field + (mantissa == 0)) of the values inside its window of 31
   binades (all of fp16's and fp8's; for fp32, bf16 and fp64 the binades around its first block's largest
-  value) with a 64-slot ``tl.histogram``, and keeps the largest and smallest of those values per lane;
+  value, or over the span of the tensor last read into the row where that fits: the row's hint, left by the
+  kernel) with a 64-slot ``tl.histogram``, and keeps the largest and smallest of those values per lane;
 - counts every other value ("rare": subnormals, values outside the window, at or above the layout's overflow
   shortcut, inf, nan) in the histogram's slot 0; a program that met any reads its blocks a second time, and
   only a block holding one gives each its exact fp64 key by a relaxed integer atomic into the scratch (a
@@ -25,9 +26,7 @@ bitwise deterministic, also under ``torch.use_deterministic_algorithms(True)``.
 
 ``TritonRows.add_many`` (a sampled step's parameters, then its gradients) launches ``triton_kernels._rows_many``
 for up to ``SLOTS`` (16) contiguous, 16-byte aligned tensors of one dtype: a grid of (programs, tensors), each
-column ``_rows``' programs on its tensor, with its own scratch. GPT-2 small's 148 parameters take 10 launches,
-not 148 of about 30 us of host work and 13 us of device time each on an H200 (README_h200_2026-11-27e.md); the
-main loop compiles to ``_rows``' instructions (sm_90, triton 3.6: bench/kernel_sass.py).
+column ``_rows``' programs on its tensor, with its own scratch (GPT-2 small's 148 parameters: 10 launches).
 
 Nothing compiles in a hook: ``TritonRows.warm`` compiles, when the rows are made (the Profiler's attach),
 every variant ``add`` can launch for the dtypes it is given (``variant`` is the one function both use: the
@@ -35,25 +34,19 @@ dtype, contiguous or strided, and for contiguous tensors whether the pointer is 
 specialises on); integer arguments are typed int64 and not specialised on their values. Triton keeps what it
 compiled in its on-disk cache (``~/.triton/cache``), so a second run loads it in milliseconds.
 
-Cost, measured without a GPU (the SASS of the loop compiled for sm_90 by triton 3.9, divided by the values a
-thread reads per iteration): 30 instructions per fp32 value, 26 per bf16 and 19 per fp16 value in blocks
-without rare values, against 72 for the former two-launch engine (a 1,024-key histogram per block of 1,024).
-On an H200 (triton 3.6, 64M values, bench/results/README_h200_2026-11-27c.md) the default, blocks of 512 with
-the rare values after the loop, read 868 GB/s fp32 and 423 bf16 from randn (26% and 16% of ``x.sum()``), and
-412 and 214 when one value in 1,000 is rare and every program reads its blocks twice: more than blocks of
-4,096 with the rare path in the loop read in either case (633 and 408; 373 and 206). With the loop's loads
-pipelined (``STAGES``, README_h200_2026-11-27e): 933 and 446. In a sampled gpt2-small step a launch cost the
-device about 13 us whatever the tensor's size, and real bf16 activations read at 180 G values/s; the finish
-then took ten fenced atomics in a row, relaxed since (not timed yet).
+Cost: the loop's SASS for sm_90 (bench/kernel_sass.py) is 26-30 instructions per value by triton 3.9, which
+histograms with shared-memory atomics, and 60-64 by triton 3.6 (torch 2.11's), which uses warp votes. On an
+H200 with triton 3.6 (bench/results/README_h200_2026-12-04.md) 64M randn values read 1,038 GB/s fp32 and 520
+bf16 (30% and 18% of ``x.sum()``: the same values a second, the loop's instructions bound it), and a launch
+costs the device about 7 us whatever its size.
 ``TRITON_INTERPRET=1`` runs the same kernel on CPU tensors: that is how the suite tests it bit for bit
 against the C kernel, the torch-op path and real casts.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -81,11 +74,8 @@ _FIELD_ALL = {0: 255, 1: 255, 2: 31, 3: 15, 4: 31, 5: 2047}
 BLOCK = 512
 NUM_WARPS = 4  # Triton's default
 RARE_AFTER = True
-# the main loop's software pipelining (1: none). Compiled for sm_90 by triton 3.6, 3 stages turn the loop's
-# loads into asynchronous copies into shared memory (LDGSTS), a program then having two blocks in flight beside
-# the one it counts. On an H200 (gpu_validate's row sweep, 2026-11-27, bench/results/gpu_validate_nvidia-
-# h200_2026-11-27e.json) 64M randn values read 1014 GB/s fp32 and 510 bf16 with 3 stages against 879 and 442 with
-# none, 2 stages no better than none, and as fast with one value in 1,000 rare (434 and 222 against 419, 214)
+# the main loop's software pipelining (1: none): 3 stages load two blocks ahead (LDGSTS on sm_90); an H200 read
+# 1014 GB/s fp32 and 510 bf16 with 3 against 879 and 442 with none (README_h200_2026-11-27e.md)
 STAGES = 3
 # scratch: keys[4096], overflow[16], absmax bits, absmin bits, programs finished (triton_kernels' _OV.._DONE)
 _OV = _N_KEYS
@@ -255,62 +245,6 @@ def _device_const(values: list[int], device: torch.device) -> torch.Tensor:
     return host.to(device)
 
 
-# what a first compile imports lazily: on threads beside the training these imports held the interpreter lock
-# while the training thread waited (bench/compile_contention.py)
-_COMPILER_MODULES = (
-    "triton.compiler.compiler",
-    "triton.compiler.code_generator",
-    "triton.backends.nvidia.compiler",
-    "triton.backends.nvidia.driver",
-)
-
-
-def preload_compiler() -> list[str]:
-    """Import, in the calling thread, the modules a Triton compile imports at its first use; returns those
-    imported. The Profiler's attach calls it before compiling beside the training, so that the compile threads
-    do not take the interpreter lock from the training thread for their imports. Nothing in the interpreter
-    (no compile) or without Triton; a module this Triton lacks is passed over."""
-    if interpreting() or triton_missing() is not None:
-        return []
-    import importlib
-    import sys
-
-    done = []
-    for name in _COMPILER_MODULES:
-        if name in sys.modules:
-            continue
-        try:
-            importlib.import_module(name)
-        except ImportError:  # another Triton's layout: its compile imports what it needs
-            continue
-        done.append(name)
-    return done
-
-
-@contextlib.contextmanager
-def parallel_compile(tasks: int, workers: int | None = None) -> Iterator[None]:
-    """Compile the Triton kernels asked for inside the block on a pool of threads (Triton's own
-    ``AsyncCompileMode``: a ``warmup`` returns a future; all are done when the block exits). Serial where this
-    Triton has no such mode, in the interpreter, or for one task. Compiling the 15 kernels of three dtypes
-    one after another took 130 s on an H100 machine's first run (8-14 s each). ``workers``: at most this many
-    threads (default: one per task, up to the CPUs and 16)."""
-    if interpreting() or triton_missing() is not None:
-        yield
-        return
-    import triton
-
-    mode = getattr(triton, "AsyncCompileMode", None)
-    active = getattr(getattr(getattr(triton, "runtime", None), "_async_compile", None), "active_mode", None)
-    workers = min(tasks, os.cpu_count() or 1, 16, workers or tasks)
-    if mode is None or workers < 2 or (active is not None and active.get() is not None):  # one at a time
-        yield
-        return
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(workers, thread_name_prefix="precprof-triton-compile") as pool, mode(pool):
-        yield
-
-
 class TritonRows:
     """The Triton engine's scratch and launch parameters on one device, for one row layout. Making one
     compiles nothing and never synchronises; ``warm`` compiles."""
@@ -345,6 +279,11 @@ class TritonRows:
             for v in (f64_bits(f.max), j, cap)
         ]
         self.fp8 = _device_const(fp8 or [0, 0, 0], device)
+        # word 0: how many programs read their blocks twice (``rereads``); word 1 + r: row r's hint, the span of
+        # the tensor last read into it, from which the next one's window is placed (triton_kernels._window).
+        # Grown with the largest rows tensor seen (``_fit_hint``)
+        self.hint = torch.zeros(1 + 64, dtype=torch.int32, device=device)
+        self._hint_for: torch.Tensor | None = None  # the rows tensor the hint was last checked against
         # the direct launch passes pointers as integers: Triton's launcher then neither calls data_ptr() nor
         # asks the driver whether each pointer is a device one (cuPointerGetAttribute), six times a launch
         self._ptrs = {
@@ -394,8 +333,23 @@ class TritonRows:
     @property
     def nbytes(self) -> int:
         return sum(
-            t.numel() * t.element_size() for t in (self.scratch, self.lo32, self.lo64, self.uf, self.fp8)
+            t.numel() * t.element_size()
+            for t in (self.scratch, self.lo32, self.lo64, self.uf, self.fp8, self.hint)
         )
+
+    def _fit_hint(self, rows: torch.Tensor) -> int:
+        """The hint's data pointer, the hint grown (zeroed: no hint yet) to hold a word for every row of
+        ``rows``."""
+        if rows is not self._hint_for:
+            if self.hint.numel() < 1 + rows.shape[0]:
+                self.hint = torch.zeros(1 + 2 * rows.shape[0], dtype=torch.int32, device=self.device)
+            self._hint_for = rows
+        return self.hint.data_ptr()
+
+    def rereads(self) -> int:
+        """How many programs have read their blocks twice (met a value outside their window) since this engine
+        was made (a sync: for benchmarks and tests)."""
+        return int(self.hint[0])
 
     def _constexprs(self, v: Variant) -> dict[str, Any]:
         se = self.layout.overflow_shortcut_exp
@@ -421,10 +375,12 @@ class TritonRows:
         if v.many:
             pad = SLOTS - len(xi)
             head = (*xi, *[xi[0]] * pad, *geometry, *[0] * pad, *row, *[0] * pad, self.max_programs, rows)
-            args: tuple[Any, ...] = (*head, self.scratch, lo, self.uf, self.fp8)
+            self._fit_hint(rows)
+            args: tuple[Any, ...] = (*head, self.scratch, lo, self.uf, self.fp8, self.hint)
             kernel = self._many
         else:
-            args = (xi, *geometry, rows, row, self.scratch, lo, self.uf, self.fp8, *_GRID_PID)
+            self._fit_hint(rows)
+            args = (xi, *geometry, rows, row, self.scratch, lo, self.uf, self.fp8, self.hint, *_GRID_PID)
             kernel = self._strided if v.strided else self._contig
         if warm:
             return kernel.run(*args, grid=grid, warmup=True, num_warps=self.num_warps, **self._constexprs(v))
@@ -498,11 +454,15 @@ class TritonRows:
             ns, at = [x.numel() for x in xs], list(range(len(xs)))
             grid = (max(1, min(self.max_programs, -(-max(ns) // self.block))), len(xs))
             self._launch(v, grid, xs, ns, want, at, False)
-            launcher(grid[0], self._stream(), self._many_args(xs, ns, got, at, scratch, lo, uf, fp8), len(xs))
+            hint = self._fit_hint(got)
+            launcher(
+                grid[0], self._stream(), self._many_args(xs, ns, got, at, scratch, lo, uf, fp8, hint), len(xs)
+            )
         else:
             geometry = self._geometry(xs[0])
             self._launch(v, (1,), xs[0], geometry, want, 0, False)
-            args = (xs[0].data_ptr(), *geometry, got.data_ptr(), 0, scratch, lo, uf, fp8, *_GRID_PID)
+            hint = self._fit_hint(got)
+            args = (xs[0].data_ptr(), *geometry, got.data_ptr(), 0, scratch, lo, uf, fp8, hint, *_GRID_PID)
             launcher(1, self._stream(), args)
         return bool(torch.equal(got, want))
 
@@ -546,7 +506,10 @@ class TritonRows:
         if direct is not None:
             lo, scratch, uf, fp8 = self._ptrs[5 if v.kind == 5 else 0]
             raw = self._stream() if stream is None else stream
-            direct(programs, raw, (ptr, *geometry, rows.data_ptr(), row, scratch, lo, uf, fp8, *_GRID_PID))
+            hint = self._fit_hint(rows)
+            direct(
+                programs, raw, (ptr, *geometry, rows.data_ptr(), row, scratch, lo, uf, fp8, hint, *_GRID_PID)
+            )
             return True
         self._launch(v, (programs,), x.detach().view(kind[1]), geometry, rows, row, False)
         return True
@@ -592,7 +555,8 @@ class TritonRows:
         if direct is not None:
             lo, scratch, uf, fp8 = self._ptrs[5 if v.kind == 5 else 0]
             raw = self._stream() if stream is None else stream
-            direct(programs, raw, self._many_args([c[1] for c in chunk], ns, rows, at, scratch, lo, uf, fp8),
+            hint = self._fit_hint(rows)
+            direct(programs, raw, self._many_args([c[1] for c in chunk], ns, rows, at, scratch, lo, uf, fp8, hint),
                    len(chunk))  # fmt: skip
             return
         int_dtype = KIND_INT[v.kind]

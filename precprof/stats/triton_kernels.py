@@ -4,27 +4,19 @@ when the Triton engine is used: this module imports ``triton`` at the top.
 ``_rows`` reads one tensor once, and its last program to finish writes the row; ``_rows_many`` does the same
 for up to 16 contiguous tensors of one dtype in one launch (a sampled step's parameters, then its gradients).
 
-Instructions per element, measured without a GPU: the SASS of the main loop compiled for sm_90 (triton 3.9),
-divided by the values a thread reads per iteration. The former ``_pass`` (a 1,024-key ``tl.histogram`` per
-block of 1,024 values, the overflow compares and extremes of every value) spent 72 per value and needed a
-second launch (``_finish``); ``_rows`` spends 30 per fp32 value, 26 per bf16 and 19 per fp16 value in blocks
-without rare values (triton 3.9 lowers ``tl.histogram`` to one shared-memory atomic per value; older tritons
-use ballots, whose cost grows with the number of slots: 64 here instead of 1,024).
-
-Triton 3.6, the GPU machine's, compiled the former kernel (blocks of 4,096, the rare path in the loop) for
-sm_90 to 255 registers a thread with 64 bytes spilled: two programs of 4 warps fit an SM, and an H200 read
-570-633 GB/s at 64M fp32 values (18% of ``x.sum()``). What held the registers was the rare path's large
-histogram. ``RARE_AFTER`` moves the rare path out of the main loop, into a second loop over the program's
-blocks run only when it met a rare value; with blocks of 512 (105 registers fp32, 110 bf16) it read 868 GB/s
-fp32 from randn, and still 412 when one value in 1,000 is rare (every program reads twice).
-``TritonRows(block=, num_warps=, rare_after=)`` and gpu_validate's ``row_shapes`` measure the alternatives.
+Instructions per value (the main loop's SASS for sm_90, bench/kernel_sass.py): 30 per fp32 value, 26 per bf16
+and 19 per fp16 by triton 3.9 (``tl.histogram``: one shared-memory atomic a value), 60-64 by triton 3.6 (warp
+votes, whose count grows with the slots: 64 here). ``RARE_AFTER`` keeps the rare path (and its large
+histogram, which held the registers: 255 a thread with spills in one loop) out of the main loop, in a second
+loop over the program's blocks run only when it met a rare value; ``_window`` places a program's window where
+the row's last tensor lay, so that fewer programs meet one. ``TritonRows(block=, num_warps=, rare_after=)`` and
+gpu_validate's ``row_shapes`` measure the alternatives.
 """
 
 import triton
 import triton.language as tl
 
-# scratch words (int64): keys[4096] (2 * fp64 exponent field + (mantissa == 0)), overflow per what-if format
-# [16], largest and smallest nonzero finite |x| as fp64 bits, programs finished
+# scratch words (int64): keys[4096] (2 * fp64 field + (mantissa == 0)), overflow[16], largest, smallest, done
 _OV = tl.constexpr(4096)
 _MX = tl.constexpr(4112)
 _MN = tl.constexpr(4113)
@@ -149,10 +141,22 @@ def _window_key(u, base, KIND: tl.constexpr, KCAP: tl.constexpr):
 
 
 @triton.jit
+def _window(top, hint, KCAP: tl.constexpr, BIAS: tl.constexpr):
+    # The window's top binade (native field; the window holds top - 28 .. top + 2): from the program's first
+    # block (``top``), a program whose later blocks go past it reads all its blocks again (97% of an LLM's logits
+    # gradient, whose targets' -1/N sit 16 binades above the rest). Where the tensor last read into the row
+    # spanned 28 binades or fewer (``hint``, from ``_finish``), centred on that span; counts are exact either way
+    hi = (hint >> 16) - 1023 + BIAS
+    lo = (hint & 0xFFFF) - 1023 + BIAS
+    hi = tl.minimum(hi, KCAP // 2 - 1)
+    use = (hint != 0) & (lo >= 1) & (hi - lo <= 28)
+    return tl.where(use, (hi + lo + 26) // 2, top)
+
+
+@triton.jit
 def _block(u, inside, base, acc, mx, mn, KIND: tl.constexpr, KCAP: tl.constexpr, MASKED: tl.constexpr):
-    # One block of values: the window's slots into a 64-slot tl.histogram (its cost does not grow with fp32's
-    # 277 binades), the finite extremes of the values in the window. Returns the rare values' count in the
-    # block (slot 0 of its histogram) for _rare
+    # One block of values: the window's slots into a 64-slot tl.histogram, the finite extremes of the values in
+    # the window; the block's histogram (slot 0: its rare values) for _rare
     mag, kn, key = _window_key(u, base, KIND, KCAP)
     if MASKED:  # noqa: SIM108 (a constexpr branch of the kernel)
         h = tl.histogram(key, _WIN, mask=inside)
@@ -242,6 +246,7 @@ def _finish(
     n,
     uf_ptr,
     fp8_ptr,
+    hp,
     WIDE: tl.constexpr,
     C_NUMEL: tl.constexpr,
     C_ZEROS: tl.constexpr,
@@ -261,14 +266,11 @@ def _finish(
     LO: tl.constexpr,
     HI: tl.constexpr,
 ):
-    # The scratch (every program's counts) into the row, with the layout's merge rule (add; max for absmax;
-    # min for absmin), each update an atomic: Triton replicates small tensors over a program's threads.
-    # The scratch is zeroed as it is read, ready for the next tensor. Every atomic is relaxed: the row is
-    # read after the kernel ends, which orders them; at the default (acq_rel) each took a fence (MEMBAR.GPU,
-    # a wait for every write in flight) on the program's way, ten in a row.
-    # The format tables first, in one load each beside the scratch's reads: loaded one scalar at a time
-    # where each is used, between reductions and atomics, they were a chain of round trips to memory, paid
-    # once a tensor by the program that finishes (a launch of a 768-value tensor took 12.8 us on an H200)
+    # The scratch (every program's counts) into the row, with the layout's merge rule (add; max for absmax; min
+    # for absmin), each update an atomic, relaxed (the row is read after the kernel ends, which orders them; an
+    # acq_rel one took a fence, ten in a row). The scratch is zeroed as it is read, for the next tensor. The
+    # format tables are loaded first, one load each (one scalar at a time between reductions, they were a chain
+    # of round trips: a 768-value tensor's launch took 12.8 us on an H200)
     fmt = tl.arange(0, NWP)
     wmask = fmt < NW
     uf = tl.load(uf_ptr + fmt, mask=wmask, other=0)
@@ -277,8 +279,7 @@ def _finish(
         fp8_max = tl.load(fp8_ptr + 3 * f8, mask=f8 < NF, other=0)
         fp8_uf = tl.load(fp8_ptr + 3 * f8 + 1, mask=f8 < NF, other=0)
         fp8_cap = tl.load(fp8_ptr + 3 * f8 + 2, mask=f8 < NF, other=0)
-    # the single words in one exchange (one at a time, each waited for its answer before the next went out):
-    # fp64 subnormals (key 0, below every bin), zeros, nan, inf, the largest and smallest magnitudes
+    # the single words in one exchange (fp64 subnormals: key 0, zeros, nan, inf, the largest and smallest)
     w = tl.arange(0, 8)
     at = tl.where(w == 0, 0, tl.where(w == 1, 1, tl.where(w == 2, 4094, tl.where(w == 3, 4095, _MX + w - 4))))
     words = tl.atomic_xchg(
@@ -341,14 +342,19 @@ def _finish(
             v = tl.where(ff <= 0, 0, below + on)
             cs += tl.where(f8 == i, tl.where(amax > 0, v, 0), 0)
         tl.atomic_add(rp + C_CS + f8, cs, mask=f8 < NF, sem="relaxed")
-    # the exponent histogram: bin b is field LO + b; below LO (and fp64 subnormals) folds into the first
-    # bin, above HI into the last
+    # the exponent histogram: bin b is field LO + b; below LO (and fp64 subnormals) folds into bin 0, above HI
+    # into the last
     b = tl.arange(0, 512)
     high = tl.sum(tl.where(f > HI, cnt, 0))
     if WIDE:
         high += tl.sum(hcnt)
     hist = tl.where(b < NBINS, cnt, 0) + tl.where(b == 0, below_lo, 0) + tl.where(b == NBINS - 1, high, 0)
     tl.atomic_add(rp + C_HIST + b, hist, mask=(b < NBINS) & (hist != 0), sem="relaxed")
+    # the row's hint for its next tensor (``_window``): the fp64 fields of this one's largest and smallest finite
+    # nonzero magnitudes, (hi << 16) | lo; 0 where it has none, or has values below LO (the smallest not known)
+    lo_f = tl.min(tl.where(cnt > 0, f, 4096))
+    hint = tl.where((amax > 0) & (lo_f < 4096) & (below_lo == 0), ((amax >> 52) << 16) | lo_f, 0)
+    tl.store(hp, hint.to(tl.int32))
 
 
 # how the kernels are jitted (tests rebuild them with these to read Triton's own specialisation keys): the
@@ -376,6 +382,7 @@ def _rows(
     lo_ptr,
     uf_ptr,
     fp8_ptr,
+    hint_ptr,
     pid: tl.int64,
     nprog: tl.int64,
     KIND: tl.constexpr,
@@ -431,6 +438,7 @@ def _rows(
         m0, f0, _z = _native(u0, KIND)
         top = tl.max(tl.where((2 * f0 < KCAP) & (m0 != 0), f0, 0), axis=0)
         top = tl.where(top == 0, BIAS, top)
+        top = _window(top, tl.load(hint_ptr + 1 + row), KCAP, BIAS)
         base = tl.maximum(2 * top - 58, 0)
     else:
         base = pid.to(tl.int32) * 0
@@ -458,6 +466,7 @@ def _rows(
         # blocks again and makes their exact keys, overflow compares and extremes: the main loop carries no
         # rare path, so it holds fewer registers and no per-block reduction
         if tl.sum(tl.where(slot == 0, acc, 0)) > 0:
+            tl.atomic_add(hint_ptr, 1, sem="relaxed")  # programs that read their blocks twice (word 0)
             for blk in range(pid, nfull, nprog):  # unmasked loads, as in the main loop
                 i = blk * BLOCK + lane
                 u = tl.load(x_ptr + _offsets(i, size1, size2, st0, st1, st2, STRIDED))
@@ -498,6 +507,7 @@ def _rows(
             n,
             uf_ptr,
             fp8_ptr,
+            hint_ptr + 1 + row,
             wide,
             C_NUMEL,
             C_ZEROS,
@@ -554,6 +564,7 @@ def _rows_many(
     lo_ptr,
     uf_ptr,
     fp8_ptr,
+    hint_ptr,
     KIND: tl.constexpr, STRIDED: tl.constexpr, KCAP: tl.constexpr, BIAS: tl.constexpr, WIDTH: tl.constexpr,
     C_NUMEL: tl.constexpr, C_ZEROS: tl.constexpr, C_NAN: tl.constexpr, C_INF: tl.constexpr,
     C_OV: tl.constexpr, C_MX: tl.constexpr, C_MN: tl.constexpr, C_CS: tl.constexpr, C_POW2: tl.constexpr,
@@ -573,7 +584,7 @@ def _rows_many(
     if pid < nprog:
         _rows(
             x_ptr, n, n // BLOCK, 1, 1, 1, 1, 1, rows_ptr, row, scratch_ptr + t * _SCRATCH, lo_ptr, uf_ptr,
-            fp8_ptr, pid, nprog, KIND, STRIDED, KCAP, BIAS, WIDTH, C_NUMEL, C_ZEROS, C_NAN, C_INF, C_OV, C_MX, C_MN,
+            fp8_ptr, hint_ptr, pid, nprog, KIND, STRIDED, KCAP, BIAS, WIDTH, C_NUMEL, C_ZEROS, C_NAN, C_INF, C_OV, C_MX, C_MN,
             C_CS, C_POW2, C_HIST, NW, NWP, NF, NFP, NBINS, LO, HI, BLOCK, RARE_AFTER, STAGES, False,
         )  # fmt: skip
 
