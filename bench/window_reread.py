@@ -81,8 +81,8 @@ def reread_share(x: torch.Tensor, head: int, kcap: int, hinted: bool = False) ->
     if hinted and finite.any() and (u[finite] >> 7).min() >= 1:  # (bf16 subnormals: no hint, as the kernel)
         hi = min(int((u[finite] >> 7).max()), kcap // 2 - 1)
         lo = int((u[finite] >> 7).min())
-        if hi - lo <= 28:
-            base = np.full(nprog, max(2 * ((hi + lo + 26) // 2) - 58, 0))
+        top_h = (hi + lo + 26) // 2 if hi - lo <= 28 else hi  # (wider: the window's top at the largest)
+        base = np.full(nprog, max(2 * top_h - 58, 0))
     prog = np.arange(nblocks) % nprog
     w = kn - base[prog][:, None]
     rare = (ub != 0) & ~((w >= 2) & (w < 64) & (kn < kcap))

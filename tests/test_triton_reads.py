@@ -199,8 +199,9 @@ def test_a_rows_hint_places_the_next_tensors_window_and_every_count_stays_exact(
     targets of its later blocks and every program reads its blocks twice (97% of gpt2-small's, measured by
     bench/window_reread.py). The kernel leaves the tensor's span in the row's hint; the next tensor read into
     that row gets a window over that span, and no program reads twice. A span wider than the window (28
-    binades) leaves the first block's rule, and a hint from another tensor (a stale one) only moves the
-    window: the rows equal the C kernel's every time."""
+    binades) gets its top at the largest value: only the program that holds the smallest values' tail reads
+    twice. A hint from another tensor (a stale one) only moves the window: the rows equal the C kernel's every
+    time."""
     g = torch.Generator().manual_seed(0)
     n = 64 * triton_engine.BLOCK
     x = (1 + torch.rand(n, generator=g)) * 2.0**-27
@@ -208,7 +209,10 @@ def test_a_rows_hint_places_the_next_tensors_window_and_every_count_stays_exact(
         -(1 + torch.rand(1, generator=g)) * 2.0**-11
     )  # no target in a first block
     x = x.to(torch.bfloat16)
-    wide = torch.cat([x[: n // 2], torch.full((n // 2,), 2.0**6, dtype=torch.bfloat16)])  # 33 binades
+    wide = (1 + torch.rand(n, generator=g)) * 2.0**-10
+    wide[2 * 4 * triton_engine.BLOCK :: 1001] = 0.75  # larger than any first block's
+    wide[4 * triton_engine.BLOCK + 7] = 2.0**-40  # a tail 39 binades below, in program 0's second block
+    wide = wide.to(torch.bfloat16)
     far = torch.full((n,), 2.0**5, dtype=torch.bfloat16)  # another tensor's span: x is far below it
 
     tri = StatsBuffer(3, "cpu", engine="triton")
@@ -226,7 +230,10 @@ def test_a_rows_hint_places_the_next_tensors_window_and_every_count_stays_exact(
     assert read(x, 0) == 4  # no hint yet: every program met a target outside its window
     assert read(x, 0) == 0  # the row's hint: the window holds the whole span
     assert read(x, 0) == 0
-    assert read(wide, 1) > 0 and read(wide, 1) > 0  # too wide a span for a hint: the first block's rule
+    assert read(wide, 1) == 4  # every program met a value above its first block's window
+    assert (
+        read(wide, 1) == 1
+    )  # too wide for the window: its top at the largest, the tail's program reads twice
     read(far, 2)
     assert read(x, 2) == 4  # a stale hint (x is 32 binades below it): read twice, counted exactly
     assert read(x, 2) == 0

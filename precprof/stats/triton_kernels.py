@@ -144,13 +144,13 @@ def _window_key(u, base, KIND: tl.constexpr, KCAP: tl.constexpr):
 def _window(top, hint, KCAP: tl.constexpr, BIAS: tl.constexpr):
     # The window's top binade (native field; the window holds top - 28 .. top + 2): from the program's first
     # block (``top``), a program whose later blocks go past it reads all its blocks again (97% of an LLM's logits
-    # gradient, whose targets' -1/N sit 16 binades above the rest). Where the tensor last read into the row
-    # spanned 28 binades or fewer (``hint``, from ``_finish``), centred on that span; counts are exact either way
+    # gradient, whose targets' -1/N sit 16 binades above the rest). From the span of the tensor last read into
+    # the row (``hint``, from ``_finish``): centred on it, or where it is wider, from its largest value down
+    # (only the smallest values' tail is then outside). Counts are exact whichever window
     hi = (hint >> 16) - 1023 + BIAS
     lo = (hint & 0xFFFF) - 1023 + BIAS
     hi = tl.minimum(hi, KCAP // 2 - 1)
-    use = (hint != 0) & (lo >= 1) & (hi - lo <= 28)
-    return tl.where(use, (hi + lo + 26) // 2, top)
+    return tl.where((hint != 0) & (lo >= 1), tl.where(hi - lo <= 28, (hi + lo + 26) // 2, hi), top)
 
 
 @triton.jit
