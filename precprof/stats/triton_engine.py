@@ -284,6 +284,7 @@ class TritonRows:
         # Grown with the largest rows tensor seen (``_fit_hint``)
         self.hint = torch.zeros(1 + 64, dtype=torch.int32, device=device)
         self._hint_for: torch.Tensor | None = None  # the rows tensor the hint was last checked against
+        self._hint_ptr = self.hint.data_ptr()
         # the direct launch passes pointers as integers: Triton's launcher then neither calls data_ptr() nor
         # asks the driver whether each pointer is a device one (cuPointerGetAttribute), six times a launch
         self._ptrs = {
@@ -343,8 +344,8 @@ class TritonRows:
         if rows is not self._hint_for:
             if self.hint.numel() < 1 + rows.shape[0]:
                 self.hint = torch.zeros(1 + 2 * rows.shape[0], dtype=torch.int32, device=self.device)
-            self._hint_for = rows
-        return self.hint.data_ptr()
+            self._hint_for, self._hint_ptr = rows, self.hint.data_ptr()
+        return self._hint_ptr
 
     def rereads(self) -> int:
         """How many programs have read their blocks twice (met a value outside their window) since this engine
