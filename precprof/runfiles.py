@@ -126,6 +126,22 @@ def sample_every_setting(cfg: Mapping[str, Any], n: str = "N") -> str:
     return f"Profiler(sample_every={n})"
 
 
+def compile_held_steps(capture: Mapping[str, Any], steps: int | None = None) -> str | None:
+    """Where a run sampled no step because all its steps ran while the statistics kernels compiled beside the
+    training (a short first run on a machine: a 3-step run on an H200 was told that "sample_every=0" had recorded
+    nothing), that in words; else None. ``capture``: the summary's; ``steps``: the steps it recorded, when
+    known (else its last step's number counts them)."""
+    sampling = capture.get("sampling")
+    sampling = sampling if isinstance(sampling, Mapping) else {}
+    held = sampling.get("held_for_compile")
+    if not isinstance(held, int) or held <= 0 or sampling.get("first_sampled_step") is not None:
+        return None
+    last = sampling.get("last_step")
+    n = steps if steps is not None else last + 1 if isinstance(last, int) and last >= 0 else 0
+    which = f"its {n} steps" if n > 1 else "its one step" if n == 1 else "its steps"
+    return f"{which} ran while precprof's statistics kernels compiled beside the training, as they do on a machine's first run"
+
+
 def _json_default(o: Any) -> Any:
     if hasattr(o, "to_dict"):
         return o.to_dict()

@@ -850,3 +850,16 @@ def test_a_run_that_ended_while_the_kernels_compiled_is_told_so(monkeypatch: pyt
         "; none: the run ended while the statistics kernels compiled beside the training (a machine's first run "
         "compiles them; the next finds them in Triton's cache)"
     ), row
+    # so do the loss-scale finding and the memory section's note (which had said "sample_every=0" too)
+    scale = [f.message for f in rec.findings if f.code == "fp16_loss_scale"]
+    assert scale and "it recorded no per-layer statistics at all: its 3 steps ran while" in scale[0], scale
+    from precprof.report.context import _no_memory_why
+
+    capture = {**prof.summary(), "memory_steps": {"sampled_steps": 0, "measured_steps": 0}}
+    capture.pop("memory_enabled", None)
+    why = _no_memory_why({T.SUMMARY_CAPTURE: capture})
+    assert why == (
+        "Memory is measured on sampled steps, and no step was sampled (its 3 steps ran while precprof's "
+        "statistics kernels compiled beside the training, as they do on a machine's first run): a longer run, "
+        "or the same run again, measures it."
+    ), why

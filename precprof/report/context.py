@@ -924,6 +924,12 @@ def _no_memory_why(summary: Mapping[str, Any]) -> str:
         if not steps.get("sampled_steps"):
             cfg = summary.get(T.SUMMARY_CONFIG)
             cfg = cfg if isinstance(cfg, Mapping) else {}
+            held = T.compile_held_steps(capture)
+            if held is not None:
+                return (
+                    f"Memory is measured on sampled steps, and no step was sampled ({held}): a longer run, or "
+                    "the same run again, measures it."
+                )
             return (
                 f"Memory is measured on sampled steps, and no step was sampled "
                 f"({T.sample_every_setting(cfg, '0')} samples none): sample some steps to measure it."

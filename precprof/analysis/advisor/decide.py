@@ -40,21 +40,14 @@ def _not_measured(run: _Run, plan: _Plan) -> str:
 
 def _why_unsampled(run: _Run) -> str:
     """Why a run recorded no per-layer statistics, in parentheses, and how to record them: its steps all ran while
-    the statistics kernels compiled beside the training (a short first run on a machine: the message once said
-    "--sample-every 0 records none" to a 3-step run on an H200 that set no interval), an interval of 0, or
-    neither (no step was sampled)."""
+    the statistics kernels compiled beside the training (``T.compile_held_steps``), an interval of 0, or neither
+    (no step was sampled)."""
     capture = run.summary.get(T.SUMMARY_CAPTURE)
     capture = capture if isinstance(capture, Mapping) else {}
-    sampling = capture.get("sampling")
-    sampling = sampling if isinstance(sampling, Mapping) else {}
-    held = sampling.get("held_for_compile")
-    if isinstance(held, int) and held > 0 and sampling.get("first_sampled_step") is None:
-        n = len(run.steps)  # (``held`` counts the step a detach ended too, begun by the last prof.step())
-        steps = f"its {n} steps" if n > 1 else "its one step" if n == 1 else "its steps"
+    held = T.compile_held_steps(capture, len(run.steps) or None)
+    if held is not None:
         return (
-            f"({steps} ran while precprof's statistics kernels compiled beside the training, as they do on a "
-            "machine's first run); Triton keeps them in its cache, so a longer run, or the same run again, "
-            "measures it"
+            f"({held}); Triton keeps them in its cache, so a longer run, or the same run again, measures it"
         )
     if capture.get("sample_every") == 0:
         return (

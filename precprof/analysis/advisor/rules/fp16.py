@@ -73,6 +73,19 @@ from precprof.analysis.advisor.text import (
 from precprof.formats import FP16, FP32_MAX_EXPONENT
 
 
+def _none_why(run: _Run) -> str:
+    """How a run came to record no per-layer statistics at all, to follow those words: its steps all ran while
+    the statistics kernels compiled beside the training, an interval of 0, or no step was sampled."""
+    capture = run.summary.get(T.SUMMARY_CAPTURE)
+    capture = capture if isinstance(capture, Mapping) else {}
+    held = T.compile_held_steps(capture, len(run.steps) or None)
+    if held is not None:
+        return f": {held}"
+    if capture.get("sample_every") == 0:
+        return f", as {T.sample_every_setting(run.run_config, '0')} does"
+    return ": no step was sampled"
+
+
 def _rule_fp16_activations(run: _Run, plan: _Plan) -> None:
     cfg = run.cfg
     acts = run.kind(T.ACTIVATION)
@@ -854,10 +867,9 @@ def _rule_loss_scale(run: _Run, plan: _Plan, fwd_bad_steps: set[int]) -> None:
                     if plan.gradients_measured
                     else "The run recorded no gradient (no sampled step with a backward pass"
                     + (
-                        f"; it recorded no per-layer statistics at all, as "
-                        f"{T.sample_every_setting(run.run_config, '0')} does)"
-                        if not plan.measured
-                        else ")"
+                        ")"
+                        if plan.measured
+                        else f"; it recorded no per-layer statistics at all{_none_why(run)})"
                     )
                 )
                 + f"; the loss scale falls back to GradScaler's default start of {_pow2(k)}.",
