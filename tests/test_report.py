@@ -1872,6 +1872,11 @@ def test_a_diverged_runs_loss_is_on_a_log_axis_and_its_nan_norms_are_marked() ->
     unclipped = steps.assign(**{T.LOSS: np.where(np.arange(n) == 20, math.nan, 2.0), T.GRAD_NORM: math.nan})
     fig = plots.training_figure(unclipped)
     assert fig is not None and [t.get_text() for t in fig.axes[2].texts] == ["no gradient norm recorded"]
+    # a loop that passed no loss at all: the loss panel says so, with no numbers on an empty axis
+    no_loss = steps.assign(**{T.LOSS: math.nan, T.NO_LOSS: True})
+    fig = plots.training_figure(no_loss)
+    assert fig is not None and [t.get_text() for t in fig.axes[0].texts] == ["no loss recorded"]
+    assert list(fig.axes[0].get_yticks()) == []
     # a healthy loss (5.5 down to 2) stays on a linear axis
     healthy = steps.assign(**{T.LOSS: np.linspace(5.5, 2.0, n), T.GRAD_NORM: np.linspace(1.0, 0.5, n)})
     fig = plots.training_figure(healthy)

@@ -87,6 +87,9 @@ def training_figure(steps: pd.DataFrame, norm_type: str | None = None) -> Figure
             transform=ax.transAxes,
             color="#555",
         )
+    if not given.any():  # the loop passed none (prof.step() without loss=): an empty axis said nothing
+        ax.set_yticks([])
+        ax.text(0.5, 0.5, "no loss recorded", ha="center", va="center", transform=ax.transAxes)
     if spans_decades(loss[given & ~bad]):
         ax.set_yscale("log")
     _one_value(ax, x[given & ~bad], loss[given & ~bad], lambda v: f"{v:.4g}")
