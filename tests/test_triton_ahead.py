@@ -34,7 +34,10 @@ pytestmark = [
 
 
 def _files(root: Path) -> set[str]:
-    return {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()}
+    """The cache's files, without the markers of what precprof compiled ahead (``done_marker``)."""
+    return {
+        str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and p.parent.name != "precprof-ahead"
+    }
 
 
 def _spec(**kw: object) -> triton_ahead.Ahead:
@@ -244,3 +247,35 @@ def test_an_exit_during_the_compile_beside_the_training_ends_it_first(tmp_path: 
     else:
         pytest.fail(f"the other process {pids[0]} is still running after the exit")
     assert not [f for f in _files(tmp_path) if f.endswith(".cubin")]  # it compiled nothing to the end
+
+
+def test_a_spec_compiled_into_this_cache_before_starts_no_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sm90: tuple[Path, str | None]
+) -> None:
+    """The other process's start and imports took 7 s of a warm-cache run on an H200 (66 steps unsampled): a
+    spec an earlier run compiled into the same Triton cache (its marker there, left after the compile) starts
+    none. Another cache, or a spec that differs, compiles as before; a wiped cache takes the marker with it."""
+    import subprocess
+
+    filled, said = sm90
+    assert said is None
+    shutil.copytree(filled, tmp_path / "warm")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "warm"))
+    fp32 = _spec(dtypes=(torch.float32,))
+    marker = triton_ahead.done_marker(fp32)
+    assert marker is not None and marker.is_file() and marker.parent.parent == tmp_path / "warm"
+    started: list[object] = []
+    real = subprocess.Popen
+
+    def popen(*a: object, **k: object) -> object:
+        started.append(a)
+        return real(*a, **k)  # type: ignore[call-overload]
+
+    monkeypatch.setattr(subprocess, "Popen", popen)
+    assert triton_ahead.compile_ahead(fp32) is None and started == []  # warm: no process
+    other = _spec(dtypes=(torch.float32,), num_warps=8, block_dtypes=())
+    assert triton_ahead.done_marker(other) != marker
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cold"))
+    assert triton_ahead.done_marker(fp32) != marker
+    assert triton_ahead.compile_ahead(_spec(dtypes=(), block_dtypes=())) is None and len(started) == 1
+    assert triton_ahead.done_marker(_spec(dtypes=(), block_dtypes=())).is_file()  # type: ignore[union-attr]
