@@ -279,3 +279,26 @@ def test_a_spec_compiled_into_this_cache_before_starts_no_process(
     assert triton_ahead.done_marker(fp32) != marker
     assert triton_ahead.compile_ahead(_spec(dtypes=(), block_dtypes=())) is None and len(started) == 1
     assert triton_ahead.done_marker(_spec(dtypes=(), block_dtypes=())).is_file()  # type: ignore[union-attr]
+
+
+def test_an_exit_waits_for_a_compile_already_inside_the_process_and_says_so() -> None:
+    """A compile beside the training already inside this process at exit (Triton's C++, here a sleep standing
+    in for it) is waited for rather than abandoned to finalisation, and the wait is said in one line, so that
+    it does not read as a hang; the process exits 0 once it is done."""
+    import subprocess
+    import sys
+
+    script = (
+        "import time\n"
+        "from precprof.stats import buffer\n"
+        "buffer._start_beside(time.sleep, 2.5)\n"
+        "time.sleep(0.2)\n"
+    )
+    t0 = time.perf_counter()
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    took = time.perf_counter() - t0
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines()[-1] == (
+        "precprof: finishing its statistics kernels' compile before the exit (at most 60 s)"
+    )
+    assert took >= 2.5  # it waited for the thread

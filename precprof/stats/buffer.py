@@ -28,6 +28,7 @@ the unscaled histogram (a shift of bins by log2 s, exact for power-of-two scales
 from __future__ import annotations
 
 import atexit
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -110,7 +111,18 @@ def _end_beside_at_exit(wait_s: float = EXIT_WAIT_S) -> int:
     with _BESIDE_LOCK:
         threads = [t for t in _BESIDE if t.is_alive()]
     deadline = time.monotonic() + wait_s
+    said = False
     for t in threads:
+        t.join(min(1.0, max(0.0, deadline - time.monotonic())))
+        if (
+            t.is_alive() and not said
+        ):  # inside a compile of its own: a wait the user should not mistake for a hang
+            print(
+                f"precprof: finishing its statistics kernels' compile before the exit (at most {wait_s:.0f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
+            said = True
         t.join(max(0.0, deadline - time.monotonic()))
     return len(threads)
 
