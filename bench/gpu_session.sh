@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
 # One prepared call on a lent GPU (the device tool's `run`, from the repository root, with `carry: [".whl"]`
-# when torchao's wheel is wanted): the GPU tests that only a GPU can settle, then gpu_validate's stages, all
-# written under $OUT. Its own time stays under BUDGET_S (default 480 s) so that a 580 s call leaves room. The
-# tests compile their kernels (Triton's cache is empty on a fresh machine): up to 200 s of the budget.
+# when torchao's wheel is wanted): gpu_validate's stages, the GPU tests among them (every GPU test file, one
+# process each), all written under $OUT. Its own time stays under BUDGET_S (default 480 s) so that a 580 s call
+# leaves room; on 2026-12-04 the defaults took 342 s of an H200.
 #
-#   STAGES   gpu_validate's stages (default: env,profile,kernels,first_step,overhead,host,memory_cost)
-#   TESTS    pytest -k expression for the GPU tests run first ("" to skip them)
+#   STAGES   gpu_validate's stages (default: env,overhead,kernels,host,profile,syncs,first_step,tests,memory_cost)
+#   TESTS    pytest -k expression for GPU tests run before the stages (default "": none; the tests stage runs all)
 #   BUDGET_S seconds for the whole script
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 BUDGET_S=${BUDGET_S:-480}
-STAGES=${STAGES:-env,profile,kernels,first_step,overhead,host,memory_cost}
-TESTS=${TESTS-other_process or block_kernels_direct or direct_launch or nothing_compiles or accumulator or rounding_on_bits or hand_built_cuda or bit_for_bit or current_scaling_ties}
+STAGES=${STAGES:-env,overhead,kernels,host,profile,syncs,first_step,tests,memory_cost}
+TESTS=${TESTS-}
 start=$(date +%s)
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
