@@ -1315,3 +1315,49 @@ def test_a_layer_of_a_module_list_whose_input_overflows_fp16_is_kept_itself(bloc
         lr=1e-6,
     )
     assert all(math.isfinite(v) for v in fp16.losses), fp16.losses
+
+
+def test_g_a_norm_whose_fp16_weight_never_moves_is_named_as_hardly_training() -> None:
+    """An fp16-pure model, AdamW at 5e-5 (betas (0, 0.999): a step is at most 2.45 lr in 6 steps): a LayerNorm's
+    weights sit at 1.0, where half an fp16 ulp (2^-12 below 1) exceeds every step, so none of their updates
+    lands, while the linear layers' small weights take theirs. The finding names that parameter as hardly
+    training, its share the truth's (read around optimizer.step()); where the model's share is under the
+    line a user sets (``lost_update_warn``), that parameter alone makes it a warning, not an info line."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 512), nn.LayerNorm(512), nn.GELU(), nn.Linear(512, 512), nn.GELU())
+    model.append(nn.Linear(512, 1))
+    with torch.no_grad():
+        for m in model:
+            if isinstance(m, nn.Linear):
+                m.weight.mul_(0.05)
+    model = model.half()
+    opt = torch.optim.AdamW(model.parameters(), lr=5e-5, eps=1e-4, betas=(0.0, 0.999))
+    prof = precprof.Profiler(model, optimizer=opt, sample_every=1, memory=False, update_sample=1 << 20)
+    g = torch.Generator().manual_seed(3)
+    truth: dict[str, list[int]] = {}
+    with prof:
+        for _ in range(6):
+            x, y = torch.randn(32, 64, generator=g).half(), torch.randn(32, 1, generator=g)
+            loss = nn.functional.mse_loss(model(x).float(), y)
+            loss.backward()
+            before = {n: (p.detach().clone(), p.grad.detach().clone()) for n, p in model.named_parameters()}
+            opt.step()
+            for n, p in model.named_parameters():
+                w0, grad = before[n]
+                moved = p.detach() != w0
+                intended = (grad != 0) | moved
+                t = truth.setdefault(n, [0, 0])
+                t[0] += int((intended & ~moved).sum())
+                t[1] += int(intended.sum())
+            opt.zero_grad()
+            prof.step(loss=loss.detach())
+    assert truth["1.weight"][0] == truth["1.weight"][1] > 0  # no update of the norm's weight landed
+    share = sum(t[0] for t in truth.values()) / sum(t[1] for t in truth.values())
+    found = precprof.recommend(prof, hardware="h100").finding("fp16_lost_updates")
+    assert found is not None and found.numbers["share"] == pytest.approx(share)
+    assert found.severity == "critical" and found.modules[0] == "1"  # above the line: the worst layers say it
+    lenient = precprof.recommend(prof, hardware="h100", config=AdvisorConfig(lost_update_warn=0.1))
+    lost = lenient.finding("fp16_lost_updates")
+    assert share < 0.1 and lost is not None and lost.severity == "warning" and lost.modules[0] == "1"
+    assert lost.numbers["param_share_max"] == 1.0
+    assert 'so they hardly train: "1".weight 100%' in lost.message, lost.message

@@ -64,6 +64,10 @@ class AdvisorConfig:
     thrash_min_skips: int = 2
     # Lost weight updates (updates below half an ulp of the weight in bf16/fp16): warn above this share.
     lost_update_warn: float = 0.01
+    # ... and, in a run that holds its weights in the format, whatever the model's share, where one parameter
+    # loses more than this share of its own updates: it hardly trains (an fp16-pure model's LayerNorm weights,
+    # near 1.0, lose every AdamW update below half an fp16 ulp, 2^-11, while the model loses a fraction of 1%).
+    lost_update_param_warn: float = 0.5
     # bf16 is blocked when more than this share of nonzero gradient values underflow bf16 at scale 1.
     bf16_underflow_block: float = 0.01
     # Every what-if cast (per-tensor FP8 under current scaling, MXFP8's elements, like fp16's

@@ -75,6 +75,37 @@ def _by_module(rows: pd.DataFrame, lost: pd.Series, weights: pd.Series) -> pd.Se
     return (by["_lost"] / by["_nz"]).sort_values(ascending=False)
 
 
+def _stuck_params(
+    run: _Run, rows: pd.DataFrame, lost: pd.Series, above: float
+) -> list[tuple[str, str, float]]:
+    """(module, parameter, share) of the parameters of ``rows`` that lost more than ``above`` of their own
+    sampled updates (``lost``), largest share first, ties in model order."""
+    frame = pd.DataFrame(
+        {T.MODULE: rows[T.MODULE], T.PARAM: rows[T.PARAM], "_lost": lost, "_nz": _nonzero_updates(rows)}
+    )
+    by = frame.groupby([T.MODULE, T.PARAM], observed=True)[["_lost", "_nz"]].sum()
+    by = by[by["_nz"] > 0]
+    share = by["_lost"] / by["_nz"]
+    over = share[share > above]
+    rank = {m: i for i, m in enumerate(run.sort({m for m, _ in over.index}))}
+    return sorted(
+        ((str(m), str(p), float(v)) for (m, p), v in over.items()), key=lambda t: (-t[2], rank[t[0]], t[1])
+    )
+
+
+def _stuck_said(stuck: list[tuple[str, str, float]], fmt: str, resolution: str, limit: int) -> str:
+    """The sentence on the parameters that hardly train (``_stuck_params``), "" for none."""
+    if not stuck:
+        return ""
+    listed = ", ".join(f"{_name(m)}.{p} {_pct(v)}" for m, p, v in stuck[:limit])
+    more = f" and {len(stuck) - limit} more" if len(stuck) > limit else ""
+    return (
+        f". Most of the updates of {len(stuck)} parameter{'s' if len(stuck) > 1 else ''} vanish, so "
+        f"{'they hardly train' if len(stuck) > 1 else 'it hardly trains'}: {listed}{more} (their steps are below "
+        f"half a {fmt} ulp of their weights; a norm's weight near 1 has an ulp of {resolution})"
+    )
+
+
 def _worst(run: _Run, by_share: pd.Series, above: float, limit: int) -> list[str]:
     """The modules of ``by_share`` (``_by_module``) whose share is above ``above``, largest first, ties in model
     order, at most ``limit``: a finding's "worst:" list (it was in model order, the largest share in the middle)."""
@@ -390,6 +421,11 @@ def _rule_lost_updates(run: _Run, plan: _Plan) -> None:
         )
         # With fp32 master weights (autocast, fp32) this is a what-if: it only hurts a run that holds its
         # weights in the format, and it is the reason to keep fp32 master weights.
+        # the parameters of a run holding its weights in the format that lose most of their own updates: they
+        # hardly train, a warning whatever the model's share is under the line (an fp16-pure model's LayerNorm
+        # weights at lr 5e-5); above it, the worst layers already say so
+        under = share <= cfg.lost_update_warn
+        stuck = _stuck_params(run, rows, rows[col], cfg.lost_update_param_warn) if is_pure and under else []
         if share > cfg.lost_update_warn and is_pure:
             severity = CRITICAL
         elif fmt == "fp16" and share <= cfg.lost_update_warn and not is_pure:
@@ -397,7 +433,9 @@ def _rule_lost_updates(run: _Run, plan: _Plan) -> None:
             # holds its weights in fp16 is told what it loses (an fp16-pure GPT-NeoX lost 0.1-1% a step, unsaid)
             continue
         else:
-            severity = INFO
+            severity = WARNING if stuck else INFO
+        if stuck:
+            worst = list(dict.fromkeys([*(m for m, _, _ in stuck), *worst]))[: cfg.max_listed_modules]
         # an optimizer that carries what a step could not add (Kahan summation, stochastic rounding) loses none
         carry = carried_updates.carriers(run.summary.get(T.SUMMARY_CAPTURE) or {}, held or "")
         if is_pure and carry.all_carried:
@@ -435,7 +473,8 @@ def _rule_lost_updates(run: _Run, plan: _Plan) -> None:
                     + f" are smaller than half a {fmt} ulp of their weight (relative resolution "
                     f"{resolution}) and would be lost if the weights were held in {fmt}"
                 )
-                + _worst_said(worst, by_share)
+                + _worst_said([m for m in worst if m in by_share.index], by_share)
+                + _stuck_said(stuck, fmt, resolution, cfg.max_listed_modules)
                 + ". Mixed Precision Training (2018) keeps an fp32 master copy for this reason."
                 + (_carry_caveat(carry) if is_pure else "")
                 + fp32_words
@@ -467,6 +506,9 @@ def _rule_lost_updates(run: _Run, plan: _Plan) -> None:
                     **apart_nums,
                     **unfollowed_nums,
                     **({"held_from_step": since} if since is not None and is_pure else {}),
+                    **(
+                        {"params_hardly_trained": len(stuck), "param_share_max": stuck[0][2]} if stuck else {}
+                    ),
                 },
                 method=sampled_method,
             )
