@@ -1321,8 +1321,9 @@ def test_g_a_norm_whose_fp16_weight_never_moves_is_named_as_hardly_training() ->
     """An fp16-pure model, AdamW at 5e-5 (betas (0, 0.999): a step is at most 2.45 lr in 6 steps): a LayerNorm's
     weights sit at 1.0, where half an fp16 ulp (2^-12 below 1) exceeds every step, so none of their updates
     lands, while the linear layers' small weights take theirs. The finding names that parameter as hardly
-    training, its share the truth's (read around optimizer.step()); where the model's share is under the
-    line a user sets (``lost_update_warn``), that parameter alone makes it a warning, not an info line."""
+    training, its share the truth's (read around optimizer.step()), where its layer's share (its bias takes its
+    updates) would hide it; where the model's share is under the line a user sets (``lost_update_warn``), that
+    parameter alone makes the finding a warning, not an info line."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 512), nn.LayerNorm(512), nn.GELU(), nn.Linear(512, 512), nn.GELU())
     model.append(nn.Linear(512, 1))
@@ -1355,7 +1356,11 @@ def test_g_a_norm_whose_fp16_weight_never_moves_is_named_as_hardly_training() ->
     share = sum(t[0] for t in truth.values()) / sum(t[1] for t in truth.values())
     found = precprof.recommend(prof, hardware="h100").finding("fp16_lost_updates")
     assert found is not None and found.numbers["share"] == pytest.approx(share)
-    assert found.severity == "critical" and found.modules[0] == "1"  # above the line: the worst layers say it
+    assert found.severity == "critical" and found.modules[0] == "1"
+    # the layer's share ("1" about 52%: its bias takes every update) hides its weight's: named too
+    assert '"1" 52.' in found.message and 'so they hardly train: "1".weight 100%' in found.message, (
+        found.message
+    )
     lenient = precprof.recommend(prof, hardware="h100", config=AdvisorConfig(lost_update_warn=0.1))
     lost = lenient.finding("fp16_lost_updates")
     assert share < 0.1 and lost is not None and lost.severity == "warning" and lost.modules[0] == "1"
