@@ -213,6 +213,8 @@ LABELS: dict[Any, tuple[str, str] | None] = {
     "held_apart_lost": ("of those, lost if held in the format", "count"),
     "held_from_step": ("step from which the weights are held in the format", "step"),
     "lost_in_fp32": ("of those, lost in the run's fp32 weights already", "count"),
+    "params_hardly_trained": ("parameters that lost most of their own updates", "count"),
+    "param_share_max": ("the most one parameter lost of its updates", "share"),
     "share": ("share", "share"),
     ("bf16_lost_updates", "share"): ("share of updates lost (each parameter at its size)", "share"),
     "waiting": ("updates that did not move their weight on their step (carried to a later one)", "count"),
