@@ -419,8 +419,6 @@ def _rule_lost_updates(run: _Run, plan: _Plan) -> None:
         held_under_autocast = (
             is_pure and not few and run.precision != pure and bool(run.autocast.get("enabled"))
         )
-        # With fp32 master weights (autocast, fp32) this is a what-if: it only hurts a run that holds its
-        # weights in the format, and it is the reason to keep fp32 master weights.
         # the parameters of a run holding its weights in the format that lose most of their own updates: they
         # hardly train, a warning where the model's share is under the line (an fp16-pure model's LayerNorm
         # weights at lr 5e-5); above it, named where their layer's share hides them (a norm's weight 100%, its
@@ -429,6 +427,8 @@ def _rule_lost_updates(run: _Run, plan: _Plan) -> None:
         stuck = _stuck_params(run, rows, rows[col], cfg.lost_update_param_warn) if is_pure else []
         if not under:
             stuck = [t for t in stuck if t[2] - float(by_share.get(t[0], t[2])) >= 0.2]
+        # With fp32 master weights (autocast, fp32) this is a what-if: it only hurts a run that holds its
+        # weights in the format, and it is the reason to keep fp32 master weights.
         if share > cfg.lost_update_warn and is_pure:
             severity = CRITICAL
         elif fmt == "fp16" and share <= cfg.lost_update_warn and not is_pure:
