@@ -39,20 +39,17 @@ def _not_measured(run: _Run, plan: _Plan) -> str:
 
 
 def _why_unsampled(run: _Run) -> str:
-    """Why a run recorded no per-layer statistics, in parentheses, and how to record them: its steps all ran while
-    the statistics kernels compiled beside the training (``T.compile_held_steps``), an interval of 0, or neither
-    (no step was sampled)."""
-    capture = run.summary.get(T.SUMMARY_CAPTURE)
-    capture = capture if isinstance(capture, Mapping) else {}
-    held = T.compile_held_steps(capture, len(run.steps) or None)
-    if held is not None:
-        return (
-            f"({held}); Triton keeps them in its cache, so a longer run, or the same run again, measures it"
-        )
-    if capture.get("sample_every") == 0:
+    """Why a run recorded no per-layer statistics, in parentheses (``_Run.unsampled_cause``), and how to record
+    them."""
+    cause = run.unsampled_cause
+    if cause == "interval 0":
         return (
             f"({T.sample_every_setting(run.run_config, '0')} records none); profile with "
             f"{T.sample_every_setting(run.run_config)} to measure it"
+        )
+    if cause is not None:
+        return (
+            f"({cause}); Triton keeps them in its cache, so a longer run, or the same run again, measures it"
         )
     return f"(no step was sampled); profile with {T.sample_every_setting(run.run_config, '1')} to measure it"
 

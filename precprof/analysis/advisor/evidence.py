@@ -270,6 +270,16 @@ class _Run:
         return dict(c) if isinstance(c, Mapping) else {}
 
     @property
+    def unsampled_cause(self) -> str | None:
+        """Why this run sampled no step, where it did not (the rules say it when they measured nothing): its steps
+        all ran while the statistics kernels compiled beside the training (``T.compile_held_steps``, in words),
+        "interval 0" (a sampling interval of 0), else None (no cause known, or steps were sampled)."""
+        capture = self.summary.get(T.SUMMARY_CAPTURE)
+        capture = capture if isinstance(capture, Mapping) else {}
+        held = T.compile_held_steps(capture, len(self.steps) or None)
+        return held if held is not None else "interval 0" if capture.get("sample_every") == 0 else None
+
+    @property
     def precision(self) -> str:
         """The precision mode the run asked for ("" for an own loop, which asks nothing)."""
         return str(self.run_config.get("precision") or "").lower()

@@ -74,16 +74,12 @@ from precprof.formats import FP16, FP32_MAX_EXPONENT
 
 
 def _none_why(run: _Run) -> str:
-    """How a run came to record no per-layer statistics at all, to follow those words: its steps all ran while
-    the statistics kernels compiled beside the training, an interval of 0, or no step was sampled."""
-    capture = run.summary.get(T.SUMMARY_CAPTURE)
-    capture = capture if isinstance(capture, Mapping) else {}
-    held = T.compile_held_steps(capture, len(run.steps) or None)
-    if held is not None:
-        return f": {held}"
-    if capture.get("sample_every") == 0:
+    """How a run came to record no per-layer statistics at all (``_Run.unsampled_cause``), to follow those
+    words."""
+    cause = run.unsampled_cause
+    if cause == "interval 0":
         return f", as {T.sample_every_setting(run.run_config, '0')} does"
-    return ": no step was sampled"
+    return f": {cause or 'no step was sampled'}"
 
 
 def _rule_fp16_activations(run: _Run, plan: _Plan) -> None:
