@@ -169,18 +169,23 @@ def test_the_compiler_is_imported_before_the_compile_threads_start() -> None:
 
 
 def test_another_block_and_warps_write_the_same_rows() -> None:
-    """``TritonRows(block=, num_warps=, rare_after=)`` (the shapes gpu_validate sweeps on a GPU for the
+    """``TritonRows(block=, num_warps=, rare_after=, planes=)`` (the shapes gpu_validate sweeps on a GPU for the
     kernel's registers and occupancy): the full blocks, the partial last one and the programs follow the block,
     and every layout gives the C kernel's rows (the default block's, by the test above)."""
     from precprof.stats.layout import LAYOUT
 
     default = triton_engine.TritonRows(torch.device("cpu"), LAYOUT)
     cpu = torch.device("cpu")
-    for block, warps, after in ((1024, 8, False), (2048, 4, False), (8192, 16, False), (1024, 4, True)):
+    shapes = (
+        (1024, 8, False, False),
+        (2048, 4, False, False),
+        (8192, 16, False, False),
+    )
+    for block, warps, after, planes in (*shapes, (2048, 8, True, True)):  # (tl.histogram's, then the planes')
         other = triton_engine.TritonRows(
-            torch.device("cpu"), LAYOUT, block=block, num_warps=warps, rare_after=after
+            torch.device("cpu"), LAYOUT, block=block, num_warps=warps, rare_after=after, planes=planes
         )
-        assert (other.block, other.num_warps, other.rare_after) == (block, warps, after)
+        assert (other.block, other.num_warps, other.rare_after, other.planes) == (block, warps, after, planes)
         # a chosen few variants compile alone (gpu_validate's sweep: the aligned contiguous one per dtype)
         one = [triton_engine.Variant(triton_engine.KINDS[torch.float32][0], False, True)]
         assert len(other.warm(variants=one)) == 1 and len(default.warm([torch.float32])) > 1
@@ -203,7 +208,7 @@ def test_a_rows_hint_places_the_next_tensors_window_and_every_count_stays_exact(
     twice. A hint from another tensor (a stale one) only moves the window: the rows equal the C kernel's every
     time."""
     g = torch.Generator().manual_seed(0)
-    n = 64 * triton_engine.BLOCK
+    n = 32 * triton_engine.BLOCK  # eight blocks a program
     x = (1 + torch.rand(n, generator=g)) * 2.0**-27
     x[2 * 4 * triton_engine.BLOCK :: 997] = (
         -(1 + torch.rand(1, generator=g)) * 2.0**-11

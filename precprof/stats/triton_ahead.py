@@ -48,7 +48,7 @@ NICENESS = LOWEST
 @dataclass(frozen=True)
 class Ahead:
     """What the other process compiles: for a GPU of ``capability`` (major, minor), the row kernels of
-    ``layout`` for ``dtypes`` (TritonRows' ``block``, ``num_warps``, ``rare_after``, ``stages``), and the block kernels
+    ``layout`` for ``dtypes`` (TritonRows' ``block``, ``num_warps``, ``rare_after``, ``stages``, ``planes``), and the block kernels
     for ``block_dtypes`` and ``recipes``."""
 
     capability: tuple[int, int]
@@ -60,6 +60,7 @@ class Ahead:
     block_dtypes: tuple[torch.dtype, ...] = ()
     recipes: tuple[Any, ...] = ()
     stages: int = triton_engine.STAGES
+    planes: bool = triton_engine.PLANES
 
 
 class _TargetDriver:
@@ -94,6 +95,7 @@ def compile_here(spec: Ahead) -> int:
         num_warps=spec.num_warps,
         rare_after=spec.rare_after,
         stages=spec.stages,
+        planes=spec.planes,
     )
     tasks = 4 * len(spec.dtypes) + 2 * len(spec.block_dtypes)
     with triton_compile.parallel_compile(tasks):
@@ -118,7 +120,7 @@ def done_marker(spec: Ahead) -> Path | None:
         return None
     if not cache:
         return None
-    for name in ("triton_kernels.py", "triton_block_kernels.py"):
+    for name in ("triton_kernels.py", "triton_planes.py", "triton_finish.py", "triton_block_kernels.py"):
         h.update(Path(__file__).with_name(name).read_bytes())
     return Path(cache) / "precprof-ahead" / f"{h.hexdigest()[:32]}.done"
 
@@ -205,6 +207,7 @@ def spec_of(
         block_dtypes=tuple(block_dtypes),
         recipes=tuple(recipes),
         stages=rows.stages,
+        planes=rows.planes,
     )
 
 

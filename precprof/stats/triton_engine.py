@@ -9,7 +9,9 @@ are never converted by float arithmetic (no flush-to-zero can touch a subnormal)
 - histograms the native key (2 * exponent field + (mantissa == 0)) of the values inside its window of 31
   binades (all of fp16's and fp8's; for fp32, bf16 and fp64 the binades around its first block's largest
   value, or over the span of the tensor last read into the row where that fits: the row's hint, left by the
-  kernel) with a 64-slot ``tl.histogram``, and keeps the largest and smallest of those values per lane;
+  kernel) in 64 slots, counted in bit planes by each thread (``triton_planes``; or by ``tl.histogram``,
+  ``planes=False``), and keeps the largest and smallest of those values per lane (with the planes, of every
+  value: a program that met a rare value takes them from its second read, below);
 - counts every other value ("rare": subnormals, values outside the window, at or above the layout's overflow
   shortcut, inf, nan) in the histogram's slot 0; a program that met any reads its blocks a second time, and
   only a block holding one gives each its exact fp64 key by a relaxed integer atomic into the scratch (a
@@ -34,11 +36,12 @@ dtype, contiguous or strided, and for contiguous tensors whether the pointer is 
 specialises on); integer arguments are typed int64 and not specialised on their values. Triton keeps what it
 compiled in its on-disk cache (``~/.triton/cache``), so a second run loads it in milliseconds.
 
-Cost: the loop's SASS for sm_90 (bench/kernel_sass.py) is 26-30 instructions per value by triton 3.9, which
-histograms with shared-memory atomics, and 60-64 by triton 3.6 (torch 2.11's), which uses warp votes. On an
-H200 with triton 3.6 (bench/results/README_h200_2026-12-04.md) 64M randn values read 1,038 GB/s fp32 and 520
-bf16 (30% and 18% of ``x.sum()``: the same values a second, the loop's instructions bound it), and a launch
-costs the device about 7 us whatever its size.
+Cost: the main loop's SASS for sm_90 (bench/kernel_sass.py) is 25-26 instructions per value with the bit
+planes by triton 3.6 (torch 2.11's), against 60-64 with ``tl.histogram`` (warp votes); triton 3.9 lowers
+``tl.histogram`` to shared-memory atomics, 26-30. On an H200 with triton 3.6 and ``tl.histogram``
+(bench/results/README_h200_2026-12-04.md) 64M randn values read 1,038 GB/s fp32 and 520 bf16 (30% and 18% of
+``x.sum()``: the same values a second, the loop's instructions bound it), and a launch costs the device about
+7 us whatever its size; the planes have not run on a GPU yet.
 ``TRITON_INTERPRET=1`` runs the same kernel on CPU tensors: that is how the suite tests it bit for bit
 against the C kernel, the torch-op path and real casts.
 """
@@ -70,10 +73,15 @@ _BIAS = {0: 127, 1: 127, 2: 15, 3: 7, 4: 15, 5: 1023}
 _FIELD_ALL = {0: 255, 1: 255, 2: 31, 3: 15, 4: 31, 5: 2047}
 # values a program reads per iteration, its warps, and the rare values in a second loop over the blocks of a
 # program that met any (triton_kernels' RARE_AFTER): the fastest of gpu_validate's row sweep on an H200, on
-# data with and without rare values (2026-11-27c)
-BLOCK = 512
+# data with and without rare values (2026-11-27c), was 512 x 4 with ``tl.histogram``; with the bit planes an
+# iteration is two loads of four values a thread (1024 x 4), which their split in registers needs
+BLOCK = 1024
 NUM_WARPS = 4  # Triton's default
 RARE_AFTER = True
+# the window's histogram in bit planes (triton_planes) rather than ``tl.histogram`` (which needs BLOCK = 512 to
+# read four values a thread): 26 instructions a bf16 value in the main loop's SASS for sm_90 by triton 3.6,
+# against 64 (bench/results/kernel_sass_sm90_*.json)
+PLANES = True
 # the main loop's software pipelining (1: none): 3 stages load two blocks ahead (LDGSTS on sm_90); an H200 read
 # 1014 GB/s fp32 and 510 bf16 with 3 against 879 and 442 with none (README_h200_2026-11-27e.md)
 STAGES = 3
@@ -258,6 +266,7 @@ class TritonRows:
         num_warps: int = NUM_WARPS,
         rare_after: bool | None = None,
         stages: int | None = None,
+        planes: bool | None = None,
     ) -> None:
         kernels = _kernels()
         if isinstance(kernels, str):
@@ -303,6 +312,17 @@ class TritonRows:
         # the rare values in a second loop over a program's blocks, only when it met any (triton_kernels)
         self.rare_after = RARE_AFTER if rare_after is None else rare_after
         self.stages = STAGES if stages is None else stages  # the main loop's software pipelining
+        # the histogram in bit planes (the default, where the rare values come after: it counts no block's
+        # rare values) or by ``tl.histogram``
+        self.planes = (PLANES and self.rare_after) if planes is None else planes
+        if self.planes and not self.rare_after:
+            raise ValueError(
+                "TritonRows: planes=True needs rare_after=True (the planes count no block's rare values)"
+            )
+        if self.planes and (block & (block - 1) or not 8 <= block <= 2048):
+            raise ValueError(
+                f"TritonRows: planes=True reads blocks of a power of two from 8 to 2048 values, not {block}"
+            )
         self._direct: dict[Variant, _DirectLaunch] = {}
         self._pending_compiled: list[tuple[Variant, Any]] = []
         self.direct_status = "not compiled yet"
@@ -329,6 +349,7 @@ class TritonRows:
             BLOCK=block,
             RARE_AFTER=self.rare_after,
             STAGES=self.stages,
+            PLANES=self.planes,
         )
 
     @property

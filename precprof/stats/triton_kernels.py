@@ -4,25 +4,24 @@ when the Triton engine is used: this module imports ``triton`` at the top.
 ``_rows`` reads one tensor once, and its last program to finish writes the row; ``_rows_many`` does the same
 for up to 16 contiguous tensors of one dtype in one launch (a sampled step's parameters, then its gradients).
 
-Instructions per value (the main loop's SASS for sm_90, bench/kernel_sass.py): 30 per fp32 value, 26 per bf16
-and 19 per fp16 by triton 3.9 (``tl.histogram``: one shared-memory atomic a value), 60-64 by triton 3.6 (warp
-votes, whose count grows with the slots: 64 here). ``RARE_AFTER`` keeps the rare path (and its large
+The window's histogram is counted in bit planes (``triton_planes``, ``PLANES``: no vote, atomic or barrier a
+value) or by ``tl.histogram``. Instructions per value in the main loop (its SASS for sm_90,
+bench/kernel_sass.py): with the planes 25-26 by triton 3.6 (bf16 and fp32), plus about 820 a program for
+each flush; with ``tl.histogram`` 60-64 by triton 3.6 (warp votes, whose count grows with the slots: 64 here)
+and 26-30 by triton 3.9 (one shared-memory atomic a value). ``RARE_AFTER`` keeps the rare path (and its large
 histogram, which held the registers: 255 a thread with spills in one loop) out of the main loop, in a second
 loop over the program's blocks run only when it met a rare value; ``_window`` places a program's window where
-the row's last tensor lay, so that fewer programs meet one. ``TritonRows(block=, num_warps=, rare_after=)`` and
-gpu_validate's ``row_shapes`` measure the alternatives.
+the row's last tensor lay, so that fewer programs meet one. ``TritonRows(block=, num_warps=, rare_after=,
+planes=)`` and gpu_validate's ``row_shapes`` measure the alternatives.
 """
 
 import triton
 import triton.language as tl
 
-# scratch words (int64): keys[4096] (2 * fp64 field + (mantissa == 0)), overflow[16], largest, smallest, done
-_OV = tl.constexpr(4096)
-_MX = tl.constexpr(4112)
-_MN = tl.constexpr(4113)
-_DONE = tl.constexpr(4114)
-_NO_MIN = tl.constexpr(0x7FFFFFFFFFFFFFFF)
-_M52 = tl.constexpr(0xFFFFFFFFFFFFF)
+from precprof.stats.triton_finish import _DONE, _M52, _MN, _MX, _NO_MIN, _OV, _finish
+from precprof.stats.triton_planes import F as PLANE_ITERS
+from precprof.stats.triton_planes import add8, counts, flush
+
 # the window: 64 histogram slots, slot 0 "rare", slot 1 zero, slots 2..63 31 binades (with mantissa == 0)
 _WIN = tl.constexpr(64)
 
@@ -128,16 +127,21 @@ def _offsets(i, size1, size2, st0, st1, st2, STRIDED: tl.constexpr):
 
 
 @triton.jit
-def _window_key(u, base, KIND: tl.constexpr, KCAP: tl.constexpr):
+def _window_key(u, base, lim, KIND: tl.constexpr):
     # Every value's native key kn = 2 * exponent field + (mantissa == 0), and its slot: those in the program's
-    # window (kn - base in 2..63, below the overflow shortcut KCAP) take kn - base, zeros 1, the rest 0
-    # ("rare": subnormals, values below or above the window, at or above the shortcut, inf, nan)
+    # window (kn - base in 2 .. lim + 1: ``_limit``) take kn - base, zeros 1, the rest 0 ("rare": subnormals,
+    # values below or above the window, at or above the overflow shortcut, inf, nan). One unsigned compare
     mag, fld, mz = _native(u, KIND)
     kn = 2 * fld + mz.to(tl.int32)
     w = kn - base
-    win = (w >= 2) & (w < _WIN) & (kn < KCAP)
-    key = tl.where(mag == 0, 1, tl.where(win, w, 0))
+    key = tl.where((w - 2).to(tl.uint32, bitcast=True) < lim, w, (mag == 0).to(tl.int32))
     return mag, kn, key
+
+
+@triton.jit
+def _limit(base, KCAP: tl.constexpr):
+    # the window's slots (from slot 2) below the overflow shortcut KCAP (a native key), at most 62
+    return tl.minimum(tl.maximum(KCAP - 2 - base, 0), _WIN - 2).to(tl.uint32)
 
 
 @triton.jit
@@ -154,10 +158,10 @@ def _window(top, hint, KCAP: tl.constexpr, BIAS: tl.constexpr):
 
 
 @triton.jit
-def _block(u, inside, base, acc, mx, mn, KIND: tl.constexpr, KCAP: tl.constexpr, MASKED: tl.constexpr):
-    # One block of values: the window's slots into a 64-slot tl.histogram, the finite extremes of the values in
-    # the window; the block's histogram (slot 0: its rare values) for _rare
-    mag, kn, key = _window_key(u, base, KIND, KCAP)
+def _block(u, inside, base, lim, acc, mx, mn, KIND: tl.constexpr, MASKED: tl.constexpr):
+    # One block of values (``PLANES`` off): the window's slots into a 64-slot tl.histogram, the finite extremes
+    # of the values in the window; the block's histogram (slot 0: its rare values) for _rare
+    mag, kn, key = _window_key(u, base, lim, KIND)
     if MASKED:  # noqa: SIM108 (a constexpr branch of the kernel)
         h = tl.histogram(key, _WIN, mask=inside)
     else:
@@ -167,6 +171,74 @@ def _block(u, inside, base, acc, mx, mn, KIND: tl.constexpr, KCAP: tl.constexpr,
     mx = tl.maximum(mx, tl.where(fast, mag, 0))
     mn = tl.minimum(mn, tl.where(fast, mag, mn))
     return acc, mx, mn, h, mag, kn, key
+
+
+@triton.jit
+def _halves(x_ptr, i, n, size1, size2, st0, st1, st2, base, lim, KIND: tl.constexpr, STRIDED: tl.constexpr,
+            H: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
+    # one iteration's two loads of H values (i: the first's indices), their magnitudes and slots
+    if MASKED:
+        ia = i < n
+        ib = i + H < n
+        ua = tl.load(x_ptr + _offsets(i, size1, size2, st0, st1, st2, STRIDED), mask=ia, other=0)
+        ub = tl.load(x_ptr + _offsets(i + H, size1, size2, st0, st1, st2, STRIDED), mask=ib, other=0)
+    else:
+        ia = i >= 0
+        ib = ia
+        ua = tl.load(x_ptr + _offsets(i, size1, size2, st0, st1, st2, STRIDED))
+        ub = tl.load(x_ptr + _offsets(i + H, size1, size2, st0, st1, st2, STRIDED))
+    ma, _ka, ka = _window_key(ua, base, lim, KIND)
+    mb, _kb, kb = _window_key(ub, base, lim, KIND)
+    return ma, ka, ia, mb, kb, ib
+
+
+@triton.jit
+def _extremes(ma, mb, mx, mn, U: tl.constexpr):
+    # the largest magnitude, and the smallest nonzero one as (magnitude - 1) unsigned: zeros wrap to the top
+    mx = tl.maximum(mx, tl.maximum(ma, mb))
+    mn = tl.minimum(mn, tl.minimum((ma - 1).to(U, bitcast=True), (mb - 1).to(U, bitcast=True)))
+    return mx, mn
+
+
+@triton.jit
+def _sweep(x_ptr, n, nfull, size1, size2, st0, st1, st2, base, lim, pid, nprog, last, KIND: tl.constexpr,
+           STRIDED: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr):  # fmt: skip
+    # The main loop with ``PLANES``: the window's histogram in bit planes (triton_planes: no tl.histogram),
+    # each iteration's BLOCK values in two loads of BLOCK // 2, the planes flushed every PLANE_ITERS
+    # iterations and after the last, partial block. The 64 slots' counts, and the extremes of every value read:
+    # those of the window's when the program met no rare value (slot 0), else ``_rows`` reads them again
+    H: tl.constexpr = BLOCK // 2
+    T: tl.constexpr = BLOCK // 8
+    tl.static_assert(BLOCK <= 2048)  # (a flush's sums over the program's lanes in 16-bit fields)
+    half = tl.arange(0, H).to(tl.int64)
+    z = tl.zeros([T], tl.int64)
+    lo = tl.zeros([16], tl.int64)
+    hi = lo
+    S: tl.constexpr = tl.int64 if KIND == 5 else tl.int32
+    U: tl.constexpr = tl.uint64 if KIND == 5 else tl.uint32
+    mx = tl.zeros([H], dtype=S)
+    mn = tl.full([H], -1, dtype=S).to(U, bitcast=True)
+    step = nprog * PLANE_ITERS
+    for c in range(pid, nfull, step):
+        p0, p1, p2, p3, p4, p5, p6, p7 = z, z, z, z, z, z, z, z
+        # STAGES > 1: Triton pipelines the loop's loads (asynchronous copies into shared memory, STAGES - 1
+        # iterations ahead), so that a program has more than one iteration's values in flight
+        for blk in tl.range(c, tl.minimum(c + step, nfull), nprog, num_stages=STAGES):
+            ma, ka, ia, mb, kb, ib = _halves(
+                x_ptr, blk * BLOCK + half, n, size1, size2, st0, st1, st2, base, lim, KIND, STRIDED, H, False
+            )
+            mx, mn = _extremes(ma, mb, mx, mn, U)
+            p0, p1, p2, p3, p4, p5, p6, p7 = add8(ka, kb, ia, ib, p0, p1, p2, p3, p4, p5, p6, p7, T, False)
+        lo, hi = flush(p0, p1, p2, p3, p4, p5, p6, p7, lo, hi)
+    if last:  # the last, partial block (lanes past the end read 0: neither extreme moves)
+        ma, ka, ia, mb, kb, ib = _halves(
+            x_ptr, nfull * BLOCK + half, n, size1, size2, st0, st1, st2, base, lim, KIND, STRIDED, H, True
+        )
+        mx, mn = _extremes(ma, mb, mx, mn, U)
+        p0, p1, p2, p3, p4, p5, p6, p7 = add8(ka, kb, ia, ib, z, z, z, z, z, z, z, z, T, True)
+        lo, hi = flush(p0, p1, p2, p3, p4, p5, p6, p7, lo, hi)
+    small = (tl.min(mn, axis=0) + 1).to(mx.dtype, bitcast=True)  # 0: no nonzero value
+    return counts(lo, hi), tl.max(mx, axis=0), small
 
 
 @triton.jit
@@ -234,127 +306,14 @@ def _rare(
 
 
 @triton.jit
-def _take(ptr, mask):
-    # read and zero scratch words (coherent at L2: integer atomics), 0 where masked
-    return tl.where(mask, tl.atomic_xchg(ptr, tl.zeros(ptr.shape, tl.int64), mask=mask, sem="relaxed"), 0)
-
-
-@triton.jit
-def _finish(
-    scratch_ptr,
-    rp,
-    n,
-    uf_ptr,
-    fp8_ptr,
-    hp,
-    WIDE: tl.constexpr,
-    C_NUMEL: tl.constexpr,
-    C_ZEROS: tl.constexpr,
-    C_NAN: tl.constexpr,
-    C_INF: tl.constexpr,
-    C_OV: tl.constexpr,
-    C_MX: tl.constexpr,
-    C_MN: tl.constexpr,
-    C_CS: tl.constexpr,
-    C_POW2: tl.constexpr,
-    C_HIST: tl.constexpr,
-    NW: tl.constexpr,
-    NWP: tl.constexpr,
-    NF: tl.constexpr,
-    NFP: tl.constexpr,
-    NBINS: tl.constexpr,
-    LO: tl.constexpr,
-    HI: tl.constexpr,
-):
-    # The scratch (every program's counts) into the row, with the layout's merge rule (add; max for absmax; min
-    # for absmin), each update an atomic, relaxed (the row is read after the kernel ends, which orders them; an
-    # acq_rel one took a fence, ten in a row). The scratch is zeroed as it is read, for the next tensor. The
-    # format tables are loaded first, one load each (one scalar at a time between reductions, they were a chain
-    # of round trips: a 768-value tensor's launch took 12.8 us on an H200)
-    fmt = tl.arange(0, NWP)
-    wmask = fmt < NW
-    uf = tl.load(uf_ptr + fmt, mask=wmask, other=0)
-    if NF > 0:
-        f8 = tl.arange(0, NFP)
-        fp8_max = tl.load(fp8_ptr + 3 * f8, mask=f8 < NF, other=0)
-        fp8_uf = tl.load(fp8_ptr + 3 * f8 + 1, mask=f8 < NF, other=0)
-        fp8_cap = tl.load(fp8_ptr + 3 * f8 + 2, mask=f8 < NF, other=0)
-    # the single words in one exchange (fp64 subnormals: key 0, zeros, nan, inf, the largest and smallest)
-    w = tl.arange(0, 8)
-    at = tl.where(w == 0, 0, tl.where(w == 1, 1, tl.where(w == 2, 4094, tl.where(w == 3, 4095, _MX + w - 4))))
-    words = tl.atomic_xchg(
-        scratch_ptr + at, tl.where(w == 5, _NO_MIN, 0).to(tl.int64), mask=w < 6, sem="relaxed"
-    )
-    ov = _take(scratch_ptr + _OV + fmt, wmask)
-    # fp64 exponent fields LO .. LO + 511 (fp32's fields are LO..HI), counts with a zero mantissa and all
-    f = LO + tl.arange(0, 512)
-    fm = f < 2047
-    c1 = _take(scratch_ptr + 2 * f + 1, fm)
-    cnt = _take(scratch_ptr + 2 * f, fm) + c1
-    sub64 = tl.sum(tl.where(w == 0, words, 0))
-    zeros = tl.sum(tl.where(w == 1, words, 0))
-    nan = tl.sum(tl.where(w == 2, words, 0))
-    inf = tl.sum(tl.where(w == 3, words, 0))
-    amax = tl.sum(tl.where(w == 4, words, 0))
-    amin = tl.sum(tl.where(w == 5, words, 0))
-    below_lo = sub64
-    if WIDE:  # fp64: the fields below LO and above LO + 511
-        fl = 1 + tl.arange(0, 1024)
-        flm = fl < LO
-        l1 = _take(scratch_ptr + 2 * fl + 1, flm)
-        lcnt = _take(scratch_ptr + 2 * fl, flm) + l1
-        fh = LO + 512 + tl.arange(0, 1024)
-        fhm = fh < 2047
-        h1 = _take(scratch_ptr + 2 * fh + 1, fhm)
-        hcnt = _take(scratch_ptr + 2 * fh, fhm) + h1
-        below_lo += tl.sum(lcnt)
-    tl.atomic_add(rp + C_NUMEL, n, sem="relaxed")
-    tl.atomic_add(rp + C_ZEROS, zeros, sem="relaxed")
-    tl.atomic_add(rp + C_NAN, nan, sem="relaxed")
-    tl.atomic_add(rp + C_INF, inf, sem="relaxed")
-    tl.atomic_add(rp + C_OV + fmt, ov, mask=wmask, sem="relaxed")
-    # values exactly on each format's underflow boundary 2^j: zero mantissa at field j + 1023
-    pw = tl.zeros([NWP], tl.int64)
-    for j in tl.static_range(NW):
-        fj = tl.sum(tl.where(fmt == j, uf, 0)) + 1023
-        on = tl.sum(tl.where(f == fj, c1, 0))
-        if WIDE:
-            on += tl.sum(tl.where(fl == fj, l1, 0)) + tl.sum(tl.where(fh == fj, h1, 0))
-        pw += tl.where(fmt == j, on, 0)
-    tl.atomic_add(rp + C_POW2 + fmt, pw, mask=wmask, sem="relaxed")
-    tl.atomic_max(rp + C_MX, amax, sem="relaxed")
-    tl.atomic_min(rp + C_MN, tl.where(amin == _NO_MIN, amin, amin - 1), sem="relaxed")
-    # fp8 current scaling of this tensor: k = floor(log2(fmax / amax)) from the exponents and mantissas of
-    # fmax and amax; x * 2^k underflows iff |x| <= 2^(j - k): the finite nonzero values below field
-    # j - k + 1023, and those exactly on it
-    if NF > 0:
-        cs = tl.zeros([NFP], tl.int64)
-        for i in tl.static_range(NF):
-            fmax = tl.sum(tl.where(f8 == i, fp8_max, 0))
-            k = (fmax >> 52) - (amax >> 52) - ((amax & _M52) > (fmax & _M52)).to(tl.int64)
-            k = tl.minimum(k, tl.sum(tl.where(f8 == i, fp8_cap, 0)))  # torchao's amax floor caps the scale
-            ff = tl.sum(tl.where(f8 == i, fp8_uf, 0)) - k + 1023
-            below = sub64 + tl.sum(tl.where(f < ff, cnt, 0))
-            on = tl.sum(tl.where(f == ff, c1, 0))
-            if WIDE:
-                below += tl.sum(tl.where(fl < ff, lcnt, 0)) + tl.sum(tl.where(fh < ff, hcnt, 0))
-                on += tl.sum(tl.where(fl == ff, l1, 0)) + tl.sum(tl.where(fh == ff, h1, 0))
-            v = tl.where(ff <= 0, 0, below + on)
-            cs += tl.where(f8 == i, tl.where(amax > 0, v, 0), 0)
-        tl.atomic_add(rp + C_CS + f8, cs, mask=f8 < NF, sem="relaxed")
-    # the exponent histogram: bin b is field LO + b; below LO (and fp64 subnormals) folds into bin 0, above HI
-    # into the last
-    b = tl.arange(0, 512)
-    high = tl.sum(tl.where(f > HI, cnt, 0))
-    if WIDE:
-        high += tl.sum(hcnt)
-    hist = tl.where(b < NBINS, cnt, 0) + tl.where(b == 0, below_lo, 0) + tl.where(b == NBINS - 1, high, 0)
-    tl.atomic_add(rp + C_HIST + b, hist, mask=(b < NBINS) & (hist != 0), sem="relaxed")
-    # the row's hint for its next tensor (``_window``): the fp64 fields of this one's largest and smallest finite
-    # nonzero magnitudes, (hi << 16) | lo; 0 where it has none, or has values below LO (the smallest not known)
-    lo_f = tl.min(tl.where(cnt > 0, f, 4096))
-    hint = tl.where((amax > 0) & (lo_f < 4096) & (below_lo == 0), ((amax >> 52) << 16) | lo_f, 0)
-    tl.store(hp, hint.to(tl.int32))
+def _again(u, base, lim, mx, mn, ov, scratch_ptr, lo_ptr, KIND: tl.constexpr, NW: tl.constexpr, NWP: tl.constexpr,
+           MANY: tl.constexpr):  # fmt: skip
+    # the second read of a program that met rare values: the extremes of the window's values, and _rare's work
+    mag, kn, key = _window_key(u, base, lim, KIND)
+    mx = tl.maximum(mx, tl.where(key >= 2, mag, 0))
+    mn = tl.minimum(mn, tl.where(key >= 2, mag, mn))
+    rare = tl.sum((key == 0).to(tl.int32))
+    return _rare(rare, mag, kn, key, mx, mn, ov, scratch_ptr, lo_ptr, KIND, NW, NWP, MANY)
 
 
 # how the kernels are jitted (tests rebuild them with these to read Triton's own specialisation keys): the
@@ -410,6 +369,7 @@ def _rows(
     BLOCK: tl.constexpr,
     RARE_AFTER: tl.constexpr,
     STAGES: tl.constexpr,
+    PLANES: tl.constexpr,
     GRID: tl.constexpr,
 ):
     # One tensor's statistics by program ``pid`` of the ``nprog`` that read it, into ``row``. GRID: a launch of
@@ -421,13 +381,8 @@ def _rows(
     MANY: tl.constexpr = BLOCK // 64
     lane = tl.arange(0, BLOCK).to(tl.int64)
     wide: tl.constexpr = KIND == 5
-    if wide:
-        mx = tl.zeros([BLOCK], dtype=tl.int64)
-        mn = tl.full([BLOCK], 0x7FFFFFFFFFFFFFFF, dtype=tl.int64)
-    else:
-        mx = tl.zeros([BLOCK], dtype=tl.int32)
-        mn = tl.full([BLOCK], 0x7FFFFFFF, dtype=tl.int32)
-    acc = tl.zeros([_WIN], dtype=tl.int32)
+    NONE: tl.constexpr = 0x7FFFFFFFFFFFFFFF if wide else 0x7FFFFFFF  # no smallest value (native bits)
+    tl.static_assert(RARE_AFTER or not PLANES)  # (the planes give no block's rare count)
     ov = tl.zeros([NWP], dtype=tl.int32)
     # The window of binades this program histograms: fp16 and fp8 have few enough to hold them all; fp32,
     # bf16 and fp64 place 31 binades around the largest value below the shortcut in the program's first
@@ -442,43 +397,76 @@ def _rows(
         base = tl.maximum(2 * top - 58, 0)
     else:
         base = pid.to(tl.int32) * 0
+    lim = _limit(base, KCAP)
     slot = tl.arange(0, _WIN)
-    # STAGES > 1: Triton pipelines the loop's loads (asynchronous copies into shared memory, STAGES - 1 blocks
-    # ahead), so that a program has more than one block in flight (a thread's 16 bytes otherwise)
-    for blk in tl.range(pid, nfull, nprog, num_stages=STAGES):
-        i = blk * BLOCK + lane
-        u = tl.load(x_ptr + _offsets(i, size1, size2, st0, st1, st2, STRIDED))
-        acc, mx, mn, h, mag, kn, key = _block(u, lane >= 0, base, acc, mx, mn, KIND, KCAP, False)
-        if not RARE_AFTER:
-            rare = tl.sum(tl.where(slot == 0, h, 0))
-            mx, mn, ov = _rare(rare, mag, kn, key, mx, mn, ov, scratch_ptr, lo_ptr, KIND, NW, NWP, MANY)
     last = pid == nfull % nprog
-    if last:  # the last, partial block
-        i = nfull * BLOCK + lane
-        inside = i < n
-        u = tl.load(x_ptr + _offsets(i, size1, size2, st0, st1, st2, STRIDED), mask=inside, other=0)
-        acc, mx, mn, h, mag, kn, key = _block(u, inside, base, acc, mx, mn, KIND, KCAP, True)
-        if not RARE_AFTER:
-            rare = tl.sum(tl.where(slot == 0, h, 0))
-            mx, mn, ov = _rare(rare, mag, kn, key, mx, mn, ov, scratch_ptr, lo_ptr, KIND, NW, NWP, MANY)
+    if PLANES:
+        acc, big, small = _sweep(
+            x_ptr,
+            n,
+            nfull,
+            size1,
+            size2,
+            st0,
+            st1,
+            st2,
+            base,
+            lim,
+            pid,
+            nprog,
+            last,
+            KIND,
+            STRIDED,
+            BLOCK,
+            STAGES,
+        )
+        small = tl.where(small == 0, NONE, small)
+    else:
+        mx = tl.zeros([BLOCK], dtype=tl.int64 if wide else tl.int32)
+        mn = tl.full([BLOCK], NONE, dtype=tl.int64 if wide else tl.int32)
+        acc = tl.zeros([_WIN], dtype=tl.int32)
+        for blk in tl.range(pid, nfull, nprog, num_stages=STAGES):  # (STAGES: as in _sweep)
+            i = blk * BLOCK + lane
+            u = tl.load(x_ptr + _offsets(i, size1, size2, st0, st1, st2, STRIDED))
+            acc, mx, mn, h, mag, kn, key = _block(u, lane >= 0, base, lim, acc, mx, mn, KIND, False)
+            if not RARE_AFTER:
+                rare = tl.sum(tl.where(slot == 0, h, 0))
+                mx, mn, ov = _rare(rare, mag, kn, key, mx, mn, ov, scratch_ptr, lo_ptr, KIND, NW, NWP, MANY)
+        if last:  # the last, partial block
+            i = nfull * BLOCK + lane
+            inside = i < n
+            u = tl.load(x_ptr + _offsets(i, size1, size2, st0, st1, st2, STRIDED), mask=inside, other=0)
+            acc, mx, mn, h, mag, kn, key = _block(u, inside, base, lim, acc, mx, mn, KIND, True)
+            if not RARE_AFTER:
+                rare = tl.sum(tl.where(slot == 0, h, 0))
+                mx, mn, ov = _rare(rare, mag, kn, key, mx, mn, ov, scratch_ptr, lo_ptr, KIND, NW, NWP, MANY)
+        big = tl.max(mx, axis=0)
+        small = tl.min(mn, axis=0)
     if RARE_AFTER:  # noqa: SIM102 (a constexpr branch, then a runtime one)
         # The loop above only counted the rare values (slot 0). When this program met any, it reads its
-        # blocks again and makes their exact keys, overflow compares and extremes: the main loop carries no
-        # rare path, so it holds fewer registers and no per-block reduction
+        # blocks again and makes their exact keys, overflow compares and the finite extremes of all its values:
+        # the main loop carries no rare path, so it holds fewer registers and no per-block reduction
         if tl.sum(tl.where(slot == 0, acc, 0)) > 0:
             tl.atomic_add(hint_ptr, 1, sem="relaxed")  # programs that read their blocks twice (word 0)
+            # in parts of at most 512 values (the rare path's registers, as with tl.histogram's BLOCK)
+            R: tl.constexpr = BLOCK if BLOCK <= 512 else 512
+            part = tl.arange(0, R).to(tl.int64)
+            mx = tl.zeros([R], dtype=tl.int64 if wide else tl.int32)
+            mn = tl.full([R], NONE, dtype=tl.int64 if wide else tl.int32)
             for blk in range(pid, nfull, nprog):  # unmasked loads, as in the main loop
-                i = blk * BLOCK + lane
-                u = tl.load(x_ptr + _offsets(i, size1, size2, st0, st1, st2, STRIDED))
-                mag, kn, key = _window_key(u, base, KIND, KCAP)
-                rare = tl.sum((key == 0).to(tl.int32))
-                mx, mn, ov = _rare(rare, mag, kn, key, mx, mn, ov, scratch_ptr, lo_ptr, KIND, NW, NWP, MANY)
-            if last:  # lanes past the tensor's end read 0: no rare value
-                i = nfull * BLOCK + lane
-                u = tl.load(x_ptr + _offsets(i, size1, size2, st0, st1, st2, STRIDED), mask=i < n, other=0)
-                mag, kn, key = _window_key(u, base, KIND, KCAP)
-                rare = tl.sum((key == 0).to(tl.int32))
-                mx, mn, ov = _rare(rare, mag, kn, key, mx, mn, ov, scratch_ptr, lo_ptr, KIND, NW, NWP, MANY)
+                for j in tl.static_range(BLOCK // R):
+                    i = blk * BLOCK + j * R + part
+                    u = tl.load(x_ptr + _offsets(i, size1, size2, st0, st1, st2, STRIDED))
+                    mx, mn, ov = _again(u, base, lim, mx, mn, ov, scratch_ptr, lo_ptr, KIND, NW, NWP, R // 64)
+            if last:  # lanes past the tensor's end read 0: no rare value, and no extreme
+                for j in tl.static_range(BLOCK // R):
+                    i = nfull * BLOCK + j * R + part
+                    u = tl.load(
+                        x_ptr + _offsets(i, size1, size2, st0, st1, st2, STRIDED), mask=i < n, other=0
+                    )
+                    mx, mn, ov = _again(u, base, lim, mx, mn, ov, scratch_ptr, lo_ptr, KIND, NW, NWP, R // 64)
+            big = tl.max(mx, axis=0)
+            small = tl.min(mn, axis=0)
     # this program's window into the scratch: one atomic per nonzero slot
     s = tl.arange(0, _WIN)
     kn = s + base
@@ -486,8 +474,6 @@ def _rows(
     tl.atomic_add(scratch_ptr + key64, acc.to(tl.int64), mask=(s >= 1) & (acc != 0), sem="relaxed")
     fmt = tl.arange(0, NWP)
     tl.atomic_add(scratch_ptr + _OV + fmt, ov.to(tl.int64), mask=(fmt < NW) & (ov != 0), sem="relaxed")
-    big = tl.max(mx, axis=0)
-    small = tl.min(mn, axis=0)
     if wide:
         amax = big
         amin = small
@@ -570,7 +556,7 @@ def _rows_many(
     C_OV: tl.constexpr, C_MX: tl.constexpr, C_MN: tl.constexpr, C_CS: tl.constexpr, C_POW2: tl.constexpr,
     C_HIST: tl.constexpr, NW: tl.constexpr, NWP: tl.constexpr, NF: tl.constexpr, NFP: tl.constexpr,
     NBINS: tl.constexpr, LO: tl.constexpr, HI: tl.constexpr, BLOCK: tl.constexpr, RARE_AFTER: tl.constexpr,
-    STAGES: tl.constexpr,
+    STAGES: tl.constexpr, PLANES: tl.constexpr,
 ):  # fmt: skip
     # Up to 16 contiguous tensors of one dtype in one launch: grid (programs, tensors). Tensor t (x_t, n_t
     # values, into row r_t) is read by the first min(programs, its blocks) programs of column t, with slot t of
@@ -585,7 +571,7 @@ def _rows_many(
         _rows(
             x_ptr, n, n // BLOCK, 1, 1, 1, 1, 1, rows_ptr, row, scratch_ptr + t * _SCRATCH, lo_ptr, uf_ptr,
             fp8_ptr, hint_ptr, pid, nprog, KIND, STRIDED, KCAP, BIAS, WIDTH, C_NUMEL, C_ZEROS, C_NAN, C_INF, C_OV, C_MX, C_MN,
-            C_CS, C_POW2, C_HIST, NW, NWP, NF, NFP, NBINS, LO, HI, BLOCK, RARE_AFTER, STAGES, False,
+            C_CS, C_POW2, C_HIST, NW, NWP, NF, NFP, NBINS, LO, HI, BLOCK, RARE_AFTER, STAGES, PLANES, False,
         )  # fmt: skip
 
 
