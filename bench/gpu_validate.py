@@ -527,13 +527,16 @@ def _block_tiles(run: Run) -> list[dict[str, Any]]:
 # (``triton_engine.STAGES``; 3 stages compile, by triton 3.6 for sm_90, to asynchronous copies into shared memory,
 # 106 registers at 512 x 4); on an H200 3 stages read 1014 GB/s fp32 and 510 bf16 against 879 and 442 with none
 # (bench/results/README_h200_2026-11-27e.md). The third is the default.
+# (block, warps, rare after, stages, planes, programs a multiprocessor): the default first (the reference row),
+# then tl.histogram's best of 2026-11-27c (the default before the planes), then the planes' alternatives
 ROW_SHAPES = (
-    (512, 4, True, 1),
-    (512, 4, True, 2),
-    (512, 4, True, 3),
-    (1024, 4, True, 1),
-    (1024, 4, True, 3),
-    (512, 8, True, 3),
+    (1024, 4, True, 3, True, 4),
+    (512, 4, True, 3, False, 4),
+    (1024, 4, True, 1, True, 4),
+    (1024, 4, True, 2, True, 4),
+    (1024, 4, True, 3, True, 2),
+    (2048, 4, True, 3, True, 4),
+    (1024, 4, True, 3, False, 4),
 )
 
 
@@ -553,8 +556,20 @@ def _row_shapes(run: Run) -> list[dict[str, Any]]:
     # the aligned contiguous variant of each dtype (what a 64M tensor launches), every shape's compiled side by
     # side, then loaded and checked against Triton's own launch
     variants = [te.Variant(te.KINDS[d][0], False, True) for d in dtypes]
+    sms = (
+        torch.cuda.get_device_properties(run.device).multi_processor_count if run.device.type == "cuda" else 1
+    )
     shapes = {
-        bw: te.TritonRows(run.device, LAYOUT, block=bw[0], num_warps=bw[1], rare_after=bw[2], stages=bw[3])
+        bw: te.TritonRows(
+            run.device,
+            LAYOUT,
+            block=bw[0],
+            num_warps=bw[1],
+            rare_after=bw[2],
+            stages=bw[3],
+            planes=bw[4],
+            max_programs=bw[5] * sms,
+        )
         for bw in (ROW_SHAPES[:2] if run.dry else ROW_SHAPES)
     }
     t0 = time.perf_counter()
@@ -573,7 +588,7 @@ def _row_shapes(run: Run) -> list[dict[str, Any]]:
     inputs = {(dt, data): x.to(dt) for dt in dtypes for data, x in (("randn", plain), ("rare 1e-3", rare))}
     del plain, rare
     reference: dict[tuple[torch.dtype, str], torch.Tensor] = {}
-    for (block, warps, after, stages), rows in shapes.items():
+    for (block, warps, after, stages, planes, _per_sm), rows in shapes.items():
         if run.left() < 30:
             break
         target = LAYOUT.empty_rows(1, run.device)
@@ -592,6 +607,8 @@ def _row_shapes(run: Run) -> list[dict[str, Any]]:
                     "num_warps": warps,
                     "rare_after": after,
                     "stages": stages,
+                    "planes": planes,
+                    "programs": rows.max_programs,
                     "dtype": str(dtype).removeprefix("torch."),
                     "data": data,
                     "gbps": nbytes / t / 1e9,

@@ -139,9 +139,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "rows": [],
         "blocks": [],
     }
-    for block, warps, after, stages in ((512, 4, True, 1), (512, 4, True, 3)):
+    # (block, warps, rare after, stages, planes): tl.histogram's shapes, then the bit planes' (the default)
+    shapes = (
+        (512, 4, True, 1, False),
+        (512, 4, True, 3, False),
+        (1024, 4, True, 1, True),
+        (1024, 4, True, 3, True),
+    )
+    for block, warps, after, stages, planes in shapes:
         rows = triton_engine.TritonRows(
-            cpu, LAYOUT, block=block, num_warps=warps, rare_after=after, stages=stages
+            cpu, LAYOUT, block=block, num_warps=warps, rare_after=after, stages=stages, planes=planes
         )
         for dtype in (torch.float32, torch.bfloat16):
             for many in (False, True):  # one tensor a launch (_rows), or up to 16 (_rows_many)
@@ -154,12 +161,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     num_warps=warps,
                     rare_after=after,
                     stages=stages,
+                    planes=planes,
                     dtype=str(dtype).removeprefix("torch."),
                     values_per_thread_per_iteration=block // (32 * warps),
                 )
+                # the main loop: the smallest loop that loads from global memory (the planes' flush is in the
+                # loop around it)
+                hot = min(
+                    (lp for lp in rec["loops"] if lp.get("ldg") or lp.get("ldgsts")),
+                    key=lambda lp: lp["instructions"],
+                )
+                rec["main_loop_per_value"] = round(
+                    hot["instructions"] / rec["values_per_thread_per_iteration"], 1
+                )
                 out["rows"].append(rec)
                 print(
-                    f"{rec['kernel']} {block}x{warps} stages {stages} {dtype}: {rec['reg']} registers, loops {[lp['instructions'] for lp in rec['loops']]}"
+                    f"{rec['kernel']} {block}x{warps} stages {stages} {'planes' if planes else 'tl.histogram'} "
+                    f"{dtype}: {rec['reg']} registers, loops {[lp['instructions'] for lp in rec['loops']]}, "
+                    f"main loop {rec['main_loop_per_value']} a value"
                 )
     slots = [triton_block.slot(r) for r in blocks.RECIPES]
     for dtype in (torch.float32, torch.bfloat16):
