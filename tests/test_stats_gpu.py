@@ -156,6 +156,37 @@ def test_triton_and_torch_equal_the_c_kernel_bit_for_bit(dtype: torch.dtype) -> 
         assert (_cuda_row(x, "torch") == want).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_bit_planes_and_tl_histogram_give_the_c_kernels_row_over_many_flushes(dtype: torch.dtype) -> None:
+    """A tensor large enough that each program's bit planes are flushed several times (more than 31 iterations
+    of 1,024 values a program at four programs a multiprocessor), spread over the window, with rare values
+    here and there (subnormals, inf, nan, one past the overflow shortcut, a tail far below) and a partial last
+    block: the planes (the default) and ``tl.histogram``'s kernel give the C kernel's row."""
+    pytest.importorskip("triton")
+    from precprof.stats import triton_engine
+    from precprof.stats.layout import LAYOUT
+
+    dev = torch.device(DEV)
+    planes = triton_engine.TritonRows(dev, LAYOUT)
+    votes = triton_engine.TritonRows(dev, LAYOUT, block=512, planes=False)
+    assert planes.planes and not votes.planes
+    n = 40 * planes.max_programs * planes.block + 777
+    g = torch.Generator(device="cpu").manual_seed(11)
+    x = torch.randn(n, generator=g) * 2.0 ** torch.randint(-14, 14, (n,), generator=g).float()
+    x[1_000_003::4_000_037] = 2.0**-130
+    x[2_000_001] = float("inf")
+    x[3_000_017] = float("nan")
+    x[4_000_037] = 3e38
+    x[n - 5] = 2.0**-60
+    x = x.to(dtype)
+    want = _c_row(x)
+    xd = x.to(dev)
+    for rows in (planes, votes):
+        got = LAYOUT.empty_rows(1, dev)
+        assert rows.add(xd, got, 0)
+        assert (got.cpu().numpy()[0] == want).all(), rows.planes
+
+
 def test_side_stream_work_is_ordered() -> None:
     """Hooks on two streams (FSDP2 gradients on its reduce-scatter stream) write the same rows and scratch."""
     xs = [ts.random_values(200_000, i, -60.0, 60.0).float().to(DEV) for i in range(6)]
