@@ -6,7 +6,7 @@ for up to 16 contiguous tensors of one dtype in one launch (a sampled step's par
 
 The window's histogram is counted in bit planes (``triton_planes``, ``PLANES``: no vote, atomic or barrier a
 value) or by ``tl.histogram``. Instructions per value in the main loop (its SASS for sm_90,
-bench/kernel_sass.py): with the planes 25-26 by triton 3.6 (bf16 and fp32), plus about 820 a program for
+bench/kernel_sass.py): with the planes 24-25 by triton 3.6 (bf16 and fp32), plus about 820 a program for
 each flush; with ``tl.histogram`` 60-64 by triton 3.6 (warp votes, whose count grows with the slots: 64 here)
 and 26-30 by triton 3.9 (one shared-memory atomic a value). ``RARE_AFTER`` keeps the rare path (and its large
 histogram, which held the registers: 255 a thread with spills in one loop) out of the main loop, in a second
@@ -22,8 +22,10 @@ from precprof.stats.triton_finish import _DONE, _M52, _MN, _MX, _NO_MIN, _OV, _f
 from precprof.stats.triton_planes import F as PLANE_ITERS
 from precprof.stats.triton_planes import add8, counts, flush
 
-# the window: 64 histogram slots, slot 0 "rare", slot 1 zero, slots 2..63 31 binades (with mantissa == 0)
+# the window: 64 histogram slots, slots 0..61 31 binades (with mantissa == 0), slot 62 zero, slot 63 "rare"
 _WIN = tl.constexpr(64)
+_ZERO = tl.constexpr(62)
+_RARE = tl.constexpr(63)
 
 
 @triton.jit
@@ -129,19 +131,19 @@ def _offsets(i, size1, size2, st0, st1, st2, STRIDED: tl.constexpr):
 @triton.jit
 def _window_key(u, base, lim, KIND: tl.constexpr):
     # Every value's native key kn = 2 * exponent field + (mantissa == 0), and its slot: those in the program's
-    # window (kn - base in 2 .. lim + 1: ``_limit``) take kn - base, zeros 1, the rest 0 ("rare": subnormals,
+    # window (kn - base in 0 .. lim - 1: ``_limit``) take kn - base, zeros _ZERO, the rest _RARE (subnormals,
     # values below or above the window, at or above the overflow shortcut, inf, nan). One unsigned compare
     mag, fld, mz = _native(u, KIND)
     kn = 2 * fld + mz.to(tl.int32)
     w = kn - base
-    key = tl.where((w - 2).to(tl.uint32, bitcast=True) < lim, w, (mag == 0).to(tl.int32))
+    key = tl.where(w.to(tl.uint32, bitcast=True) < lim, w, _RARE - (mag == 0).to(tl.int32))
     return mag, kn, key
 
 
 @triton.jit
 def _limit(base, KCAP: tl.constexpr):
-    # the window's slots (from slot 2) below the overflow shortcut KCAP (a native key), at most 62
-    return tl.minimum(tl.maximum(KCAP - 2 - base, 0), _WIN - 2).to(tl.uint32)
+    # the window's slots (from native key base) below the overflow shortcut KCAP (a native key), at most 62
+    return tl.minimum(tl.maximum(KCAP - base, 0), _ZERO).to(tl.uint32)
 
 
 @triton.jit
@@ -160,14 +162,14 @@ def _window(top, hint, KCAP: tl.constexpr, BIAS: tl.constexpr):
 @triton.jit
 def _block(u, inside, base, lim, acc, mx, mn, KIND: tl.constexpr, MASKED: tl.constexpr):
     # One block of values (``PLANES`` off): the window's slots into a 64-slot tl.histogram, the finite extremes
-    # of the values in the window; the block's histogram (slot 0: its rare values) for _rare
+    # of the values in the window; the block's histogram (slot _RARE: its rare values) for _rare
     mag, kn, key = _window_key(u, base, lim, KIND)
     if MASKED:  # noqa: SIM108 (a constexpr branch of the kernel)
         h = tl.histogram(key, _WIN, mask=inside)
     else:
         h = tl.histogram(key, _WIN)
     acc += h
-    fast = key >= 2
+    fast = key < _ZERO
     mx = tl.maximum(mx, tl.where(fast, mag, 0))
     mn = tl.minimum(mn, tl.where(fast, mag, mn))
     return acc, mx, mn, h, mag, kn, key
@@ -206,7 +208,7 @@ def _sweep(x_ptr, n, nfull, size1, size2, st0, st1, st2, base, lim, pid, nprog, 
     # The main loop with ``PLANES``: the window's histogram in bit planes (triton_planes: no tl.histogram),
     # each iteration's BLOCK values in two loads of BLOCK // 2, the planes flushed every PLANE_ITERS
     # iterations and after the last, partial block. The 64 slots' counts, and the extremes of every value read:
-    # those of the window's when the program met no rare value (slot 0), else ``_rows`` reads them again
+    # those of the window's when the program met no rare value (slot _RARE), else ``_rows`` reads them again
     H: tl.constexpr = BLOCK // 2
     T: tl.constexpr = BLOCK // 8
     tl.static_assert(BLOCK <= 2048)  # (a flush's sums over the program's lanes in 16-bit fields)
@@ -260,7 +262,7 @@ def _rare(
     # A block's rare values (``rare`` of them; nothing when none): each gets its exact fp64 key by one relaxed
     # integer atomic into the scratch, and the overflow compares and finite extremes are made for them
     if rare > 0:
-        r = key == 0  # lanes outside the tensor read 0: key 1
+        r = key == _RARE  # lanes outside the tensor read 0: key _ZERO
         if KIND == 5:
             big = mag
             key64 = kn
@@ -310,9 +312,9 @@ def _again(u, base, lim, mx, mn, ov, scratch_ptr, lo_ptr, KIND: tl.constexpr, NW
            MANY: tl.constexpr):  # fmt: skip
     # the second read of a program that met rare values: the extremes of the window's values, and _rare's work
     mag, kn, key = _window_key(u, base, lim, KIND)
-    mx = tl.maximum(mx, tl.where(key >= 2, mag, 0))
-    mn = tl.minimum(mn, tl.where(key >= 2, mag, mn))
-    rare = tl.sum((key == 0).to(tl.int32))
+    mx = tl.maximum(mx, tl.where(key < _ZERO, mag, 0))
+    mn = tl.minimum(mn, tl.where(key < _ZERO, mag, mn))
+    rare = tl.sum((key == _RARE).to(tl.int32))
     return _rare(rare, mag, kn, key, mx, mn, ov, scratch_ptr, lo_ptr, KIND, NW, NWP, MANY)
 
 
@@ -394,9 +396,9 @@ def _rows(
         top = tl.max(tl.where((2 * f0 < KCAP) & (m0 != 0), f0, 0), axis=0)
         top = tl.where(top == 0, BIAS, top)
         top = _window(top, tl.load(hint_ptr + 1 + row), KCAP, BIAS)
-        base = tl.maximum(2 * top - 58, 0)
+        base = tl.maximum(2 * top - 58, 0) + 2  # the native key of slot 0
     else:
-        base = pid.to(tl.int32) * 0
+        base = pid.to(tl.int32) * 0 + 2  # (keys 0 and 1: subnormals and zeros)
     lim = _limit(base, KCAP)
     slot = tl.arange(0, _WIN)
     last = pid == nfull % nprog
@@ -430,7 +432,7 @@ def _rows(
             u = tl.load(x_ptr + _offsets(i, size1, size2, st0, st1, st2, STRIDED))
             acc, mx, mn, h, mag, kn, key = _block(u, lane >= 0, base, lim, acc, mx, mn, KIND, False)
             if not RARE_AFTER:
-                rare = tl.sum(tl.where(slot == 0, h, 0))
+                rare = tl.sum(tl.where(slot == _RARE, h, 0))
                 mx, mn, ov = _rare(rare, mag, kn, key, mx, mn, ov, scratch_ptr, lo_ptr, KIND, NW, NWP, MANY)
         if last:  # the last, partial block
             i = nfull * BLOCK + lane
@@ -438,15 +440,15 @@ def _rows(
             u = tl.load(x_ptr + _offsets(i, size1, size2, st0, st1, st2, STRIDED), mask=inside, other=0)
             acc, mx, mn, h, mag, kn, key = _block(u, inside, base, lim, acc, mx, mn, KIND, True)
             if not RARE_AFTER:
-                rare = tl.sum(tl.where(slot == 0, h, 0))
+                rare = tl.sum(tl.where(slot == _RARE, h, 0))
                 mx, mn, ov = _rare(rare, mag, kn, key, mx, mn, ov, scratch_ptr, lo_ptr, KIND, NW, NWP, MANY)
         big = tl.max(mx, axis=0)
         small = tl.min(mn, axis=0)
     if RARE_AFTER:  # noqa: SIM102 (a constexpr branch, then a runtime one)
-        # The loop above only counted the rare values (slot 0). When this program met any, it reads its
+        # The loop above only counted the rare values (slot _RARE). When this program met any, it reads its
         # blocks again and makes their exact keys, overflow compares and the finite extremes of all its values:
         # the main loop carries no rare path, so it holds fewer registers and no per-block reduction
-        if tl.sum(tl.where(slot == 0, acc, 0)) > 0:
+        if tl.sum(tl.where(slot == _RARE, acc, 0)) > 0:
             tl.atomic_add(hint_ptr, 1, sem="relaxed")  # programs that read their blocks twice (word 0)
             # in parts of at most 512 values (the rare path's registers, as with tl.histogram's BLOCK)
             R: tl.constexpr = BLOCK if BLOCK <= 512 else 512
@@ -470,8 +472,8 @@ def _rows(
     # this program's window into the scratch: one atomic per nonzero slot
     s = tl.arange(0, _WIN)
     kn = s + base
-    key64 = tl.where(s == 1, 1, 2 * ((kn >> 1) - BIAS + 1023) + (kn & 1))
-    tl.atomic_add(scratch_ptr + key64, acc.to(tl.int64), mask=(s >= 1) & (acc != 0), sem="relaxed")
+    key64 = tl.where(s == _ZERO, 1, 2 * ((kn >> 1) - BIAS + 1023) + (kn & 1))
+    tl.atomic_add(scratch_ptr + key64, acc.to(tl.int64), mask=(s != _RARE) & (acc != 0), sem="relaxed")
     fmt = tl.arange(0, NWP)
     tl.atomic_add(scratch_ptr + _OV + fmt, ov.to(tl.int64), mask=(fmt < NW) & (ov != 0), sem="relaxed")
     if wide:
