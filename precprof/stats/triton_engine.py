@@ -36,9 +36,10 @@ dtype, contiguous or strided, and for contiguous tensors whether the pointer is 
 specialises on); integer arguments are typed int64 and not specialised on their values. Triton keeps what it
 compiled in its on-disk cache (``~/.triton/cache``), so a second run loads it in milliseconds.
 
-Cost: the main loop's SASS for sm_90 (bench/kernel_sass.py) is 25-26 instructions per value with the bit
-planes by triton 3.6 (torch 2.11's), against 60-64 with ``tl.histogram`` (warp votes); triton 3.9 lowers
-``tl.histogram`` to shared-memory atomics, 26-30. On an H200 with triton 3.6 and ``tl.histogram``
+Cost: the main loop's SASS for sm_90 (bench/kernel_sass.py) is 24-25 instructions per value with the bit
+planes by triton 3.6 (torch 2.11's) or 3.9, against 58-60 with ``tl.histogram`` by triton 3.6 (warp votes);
+triton 3.9 lowers ``tl.histogram`` to shared-memory atomics, 23-25 (one a value, serialised where a warp's
+values share a slot). On an H200 with triton 3.6 and ``tl.histogram``
 (bench/results/README_h200_2026-12-04.md) 64M randn values read 1,038 GB/s fp32 and 520 bf16 (30% and 18% of
 ``x.sum()``: the same values a second, the loop's instructions bound it), and a launch costs the device about
 7 us whatever its size; the planes have not run on a GPU yet.
@@ -79,8 +80,8 @@ BLOCK = 1024
 NUM_WARPS = 4  # Triton's default
 RARE_AFTER = True
 # the window's histogram in bit planes (triton_planes) rather than ``tl.histogram`` (which needs BLOCK = 512 to
-# read four values a thread): 26 instructions a bf16 value in the main loop's SASS for sm_90 by triton 3.6,
-# against 64 (bench/results/kernel_sass_sm90_*.json)
+# read four values a thread): 24 instructions a bf16 value in the main loop's SASS for sm_90 by triton 3.6,
+# against 59 (bench/results/kernel_sass_sm90_*.json)
 PLANES = True
 # the main loop's software pipelining (1: none): 3 stages load two blocks ahead (LDGSTS on sm_90); an H200 read
 # 1014 GB/s fp32 and 510 bf16 with 3 against 879 and 442 with none (README_h200_2026-11-27e.md)

@@ -7,8 +7,8 @@ for up to 16 contiguous tensors of one dtype in one launch (a sampled step's par
 The window's histogram is counted in bit planes (``triton_planes``, ``PLANES``: no vote, atomic or barrier a
 value) or by ``tl.histogram``. Instructions per value in the main loop (its SASS for sm_90,
 bench/kernel_sass.py): with the planes 24-25 by triton 3.6 (bf16 and fp32), plus about 820 a program for
-each flush; with ``tl.histogram`` 60-64 by triton 3.6 (warp votes, whose count grows with the slots: 64 here)
-and 26-30 by triton 3.9 (one shared-memory atomic a value). ``RARE_AFTER`` keeps the rare path (and its large
+each flush; with ``tl.histogram`` 58-60 by triton 3.6 (warp votes, whose count grows with the slots: 64 here)
+and 23-25 by triton 3.9 (one shared-memory atomic a value). ``RARE_AFTER`` keeps the rare path (and its large
 histogram, which held the registers: 255 a thread with spills in one loop) out of the main loop, in a second
 loop over the program's blocks run only when it met a rare value; ``_window`` places a program's window where
 the row's last tensor lay, so that fewer programs meet one. ``TritonRows(block=, num_warps=, rare_after=,

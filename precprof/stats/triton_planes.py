@@ -1,6 +1,6 @@
 """The row kernel's 64-slot histogram in bit planes: counting by register logic alone (``triton_kernels._rows``).
 
-``tl.histogram`` compiles to warp votes in triton 3.6 (torch 2.11's): a main loop of 60-64 instructions a value
+``tl.histogram`` compiles to warp votes in triton 3.6 (torch 2.11's): a main loop of 58-60 instructions a value
 with three barriers an iteration, of which the histogram is two thirds (bench/kernel_sass.py); triton 3.9
 issues one shared-memory atomic a value, which serialises where a warp's values share a slot (a tensor's
 values crowd into a few binades). Here each thread counts its own values, with no vote, atomic or barrier:
@@ -15,7 +15,7 @@ values crowd into a few binades). Here each thread counts its own values, with n
   the program's lanes of the sixteen words that hold them; ``lo``/``hi`` keep the sums in 32-bit fields;
 - ``counts`` reads the 64 counts out of them at the program's end.
 
-SASS for sm_90 (triton 3.6): 26 instructions a bf16 value in the main loop against 64 with ``tl.histogram``,
+SASS for sm_90 (triton 3.6): 24 instructions a bf16 value in the main loop against 59 with ``tl.histogram``,
 and about 820 a flush (once a program for most tensors); counts exact whatever the values
 (``TRITON_INTERPRET=1`` runs the same code).
 """
