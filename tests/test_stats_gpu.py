@@ -158,7 +158,7 @@ def test_triton_and_torch_equal_the_c_kernel_bit_for_bit(dtype: torch.dtype) -> 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_the_bit_planes_and_tl_histogram_give_the_c_kernels_row_over_many_flushes(dtype: torch.dtype) -> None:
-    """A tensor large enough that each program's bit planes are flushed several times (more than 31 iterations
+    """A tensor large enough that each program's bit planes are flushed several times (more than 30 iterations
     of 1,024 values a program at four programs a multiprocessor), spread over the window, with rare values
     here and there (subnormals, inf, nan, one past the overflow shortcut, a tail far below) and a partial last
     block: the planes (the default) and ``tl.histogram``'s kernel give the C kernel's row."""

@@ -32,16 +32,22 @@ if triton_engine.unavailable(torch.device("cpu")) is None:
 
     @triton.jit
     def _count_slots(slots_ptr, n, nfull, out_ptr, BLOCK: tl.constexpr):
-        # one program: ``slots`` (int32, 0..63) as the kernel's main loop reads values, BLOCK an iteration in two
-        # halves, flushed every PLANE_ITERS iterations, then the last partial block masked
+        # one program: ``slots`` (int32, 0..63) as the kernel's main loop reads values (``_sweep``): the partial
+        # last block masked into the first chunk's planes, then chunks of PLANE_ITERS iterations of BLOCK values
+        # in two halves, each flushed
         H: tl.constexpr = BLOCK // 2
         T: tl.constexpr = BLOCK // 8
         half = tl.arange(0, H)
         z = tl.zeros([T], tl.int64)
         lo = tl.zeros([16], tl.int64)
         hi = lo
-        for c in range(0, nfull, PLANE_ITERS):
-            p0, p1, p2, p3, p4, p5, p6, p7 = z, z, z, z, z, z, z, z
+        i = nfull * BLOCK + half
+        ia = i < n
+        ib = i + H < n
+        ka = tl.load(slots_ptr + i, mask=ia, other=0)
+        kb = tl.load(slots_ptr + i + H, mask=ib, other=0)
+        p0, p1, p2, p3, p4, p5, p6, p7 = add8(ka, kb, ia, ib, z, z, z, z, z, z, z, z, T, True)
+        for c in range(0, tl.maximum(nfull, 1), PLANE_ITERS):
             for blk in range(c, tl.minimum(c + PLANE_ITERS, nfull)):
                 ka = tl.load(slots_ptr + blk * BLOCK + half)
                 kb = tl.load(slots_ptr + blk * BLOCK + H + half)
@@ -49,13 +55,7 @@ if triton_engine.unavailable(torch.device("cpu")) is None:
                     ka, kb, ka, kb, p0, p1, p2, p3, p4, p5, p6, p7, T, False
                 )
             lo, hi = flush(p0, p1, p2, p3, p4, p5, p6, p7, lo, hi)
-        i = nfull * BLOCK + half
-        ia = i < n
-        ib = i + H < n
-        ka = tl.load(slots_ptr + i, mask=ia, other=0)
-        kb = tl.load(slots_ptr + i + H, mask=ib, other=0)
-        p0, p1, p2, p3, p4, p5, p6, p7 = add8(ka, kb, ia, ib, z, z, z, z, z, z, z, z, T, True)
-        lo, hi = flush(p0, p1, p2, p3, p4, p5, p6, p7, lo, hi)
+            p0, p1, p2, p3, p4, p5, p6, p7 = z, z, z, z, z, z, z, z
         tl.store(out_ptr + tl.arange(0, 64), counts(lo, hi))
 
 
@@ -75,12 +75,13 @@ def _planes_count(slots: torch.Tensor, block: int) -> torch.Tensor:
 @pytest.mark.parametrize("block", [1024, 64])
 def test_the_planes_count_every_slot_as_bincount(block: int) -> None:
     """Every slot 0..63 (63: the word's sign bit), 8 values a lane an iteration; the same slot in every lane
-    for 2 * ITERS + 3 iterations (a count reaches 8 * ITERS = 248 of a plane's 255 between two
-    flushes, and three flushes add up); a partial last block whose lanes past the end count nothing."""
+    for 2 * ITERS iterations and a partial block (a count reaches 8 * (ITERS + 1) = 248 of a plane's 255 in
+    the first chunk, which holds the partial block, and the flushes add up); a partial last block whose lanes
+    past the end count nothing."""
     g = torch.Generator().manual_seed(block)
     cases = {
         "random": torch.randint(0, 64, (37 * block + block // 2 + 3,), generator=g, dtype=torch.int32),
-        "slot 63, full": torch.full(((2 * ITERS + 3) * block + 5,), 63, dtype=torch.int32),
+        "slot 63, full": torch.full((2 * ITERS * block + block - 1,), 63, dtype=torch.int32),
         "slot 0, full": torch.zeros(((ITERS + 1) * block,), dtype=torch.int32),
         "one per slot": torch.arange(64, dtype=torch.int32).repeat_interleave(3),
         "under one block": torch.tensor([5, 63, 0, 5, 62, 1, 5], dtype=torch.int32),

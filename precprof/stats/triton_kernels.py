@@ -207,7 +207,7 @@ def _sweep(x_ptr, n, nfull, size1, size2, st0, st1, st2, base, lim, pid, nprog, 
            STRIDED: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr):  # fmt: skip
     # The main loop with ``PLANES``: the window's histogram in bit planes (triton_planes: no tl.histogram),
     # each iteration's BLOCK values in two loads of BLOCK // 2, the planes flushed every PLANE_ITERS
-    # iterations and after the last, partial block. The 64 slots' counts, and the extremes of every value read:
+    # iterations (the first chunk holds the last, partial block too). The 64 slots' counts, and the extremes of every value read:
     # those of the window's when the program met no rare value (slot _RARE), else ``_rows`` reads them again
     H: tl.constexpr = BLOCK // 2
     T: tl.constexpr = BLOCK // 8
@@ -220,9 +220,20 @@ def _sweep(x_ptr, n, nfull, size1, size2, st0, st1, st2, base, lim, pid, nprog, 
     U: tl.constexpr = tl.uint64 if KIND == 5 else tl.uint32
     mx = tl.zeros([H], dtype=S)
     mn = tl.full([H], -1, dtype=S).to(U, bitcast=True)
+    p0, p1, p2, p3, p4, p5, p6, p7 = z, z, z, z, z, z, z, z
+    if (
+        last
+    ):  # the last, partial block first, into the first chunk's planes (lanes past the end read 0: no count,
+        # and neither extreme moves)
+        ma, ka, ia, mb, kb, ib = _halves(
+            x_ptr, nfull * BLOCK + half, n, size1, size2, st0, st1, st2, base, lim, KIND, STRIDED, H, True
+        )
+        mx, mn = _extremes(ma, mb, mx, mn, U)
+        p0, p1, p2, p3, p4, p5, p6, p7 = add8(ka, kb, ia, ib, z, z, z, z, z, z, z, z, T, True)
+    # chunks of PLANE_ITERS iterations, each flushed; at least one (a program with no full block flushes its
+    # partial one): the flush's code once
     step = nprog * PLANE_ITERS
-    for c in range(pid, nfull, step):
-        p0, p1, p2, p3, p4, p5, p6, p7 = z, z, z, z, z, z, z, z
+    for c in range(pid, tl.maximum(nfull, pid + 1), step):
         # STAGES > 1: Triton pipelines the loop's loads (asynchronous copies into shared memory, STAGES - 1
         # iterations ahead), so that a program has more than one iteration's values in flight
         for blk in tl.range(c, tl.minimum(c + step, nfull), nprog, num_stages=STAGES):
@@ -232,13 +243,7 @@ def _sweep(x_ptr, n, nfull, size1, size2, st0, st1, st2, base, lim, pid, nprog, 
             mx, mn = _extremes(ma, mb, mx, mn, U)
             p0, p1, p2, p3, p4, p5, p6, p7 = add8(ka, kb, ia, ib, p0, p1, p2, p3, p4, p5, p6, p7, T, False)
         lo, hi = flush(p0, p1, p2, p3, p4, p5, p6, p7, lo, hi)
-    if last:  # the last, partial block (lanes past the end read 0: neither extreme moves)
-        ma, ka, ia, mb, kb, ib = _halves(
-            x_ptr, nfull * BLOCK + half, n, size1, size2, st0, st1, st2, base, lim, KIND, STRIDED, H, True
-        )
-        mx, mn = _extremes(ma, mb, mx, mn, U)
-        p0, p1, p2, p3, p4, p5, p6, p7 = add8(ka, kb, ia, ib, z, z, z, z, z, z, z, z, T, True)
-        lo, hi = flush(p0, p1, p2, p3, p4, p5, p6, p7, lo, hi)
+        p0, p1, p2, p3, p4, p5, p6, p7 = z, z, z, z, z, z, z, z
     small = (tl.min(mn, axis=0) + 1).to(mx.dtype, bitcast=True)  # 0: no nonzero value
     return counts(lo, hi), tl.max(mx, axis=0), small
 
@@ -455,14 +460,11 @@ def _rows(
             part = tl.arange(0, R).to(tl.int64)
             mx = tl.zeros([R], dtype=tl.int64 if wide else tl.int32)
             mn = tl.full([R], NONE, dtype=tl.int64 if wide else tl.int32)
-            for blk in range(pid, nfull, nprog):  # unmasked loads, as in the main loop
-                for j in tl.static_range(BLOCK // R):
+            # every block of the program's, the last program's partial one included (its lanes past the end
+            # read 0: no rare value, no extreme), in one loop of masked loads: the rare path's code once
+            for blk in range(pid, nfull + 1, nprog):
+                for j in range(BLOCK // R):
                     i = blk * BLOCK + j * R + part
-                    u = tl.load(x_ptr + _offsets(i, size1, size2, st0, st1, st2, STRIDED))
-                    mx, mn, ov = _again(u, base, lim, mx, mn, ov, scratch_ptr, lo_ptr, KIND, NW, NWP, R // 64)
-            if last:  # lanes past the tensor's end read 0: no rare value, and no extreme
-                for j in tl.static_range(BLOCK // R):
-                    i = nfull * BLOCK + j * R + part
                     u = tl.load(
                         x_ptr + _offsets(i, size1, size2, st0, st1, st2, STRIDED), mask=i < n, other=0
                     )
