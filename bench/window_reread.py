@@ -5,7 +5,7 @@ from the largest value of the program's first block (``2 * top - 58``: two binad
 that meets any value outside its window (or at the overflow shortcut, 2^8 and up) reads all of its blocks again
 for their exact keys (``RARE_AFTER``): on an H200, 12 launches on gpt2-small's attention outputs took 2.7x their
 fit (``bench/results/README_h200_2026-12-04.md``). This replays the kernel's placement in numpy, program by
-program (a grid of 4 programs per SM, 132 SMs, blocks of 512, block ``b`` read by program ``b % programs``), on
+program (a grid of 4 programs per SM, 132 SMs, blocks of ``--block`` values (the kernel's), block ``b`` read by program ``b % programs``), on
 the bf16 outputs and output gradients of one step of the built-in gpt2-small under bf16 autocast, for a window
 placed ``--heads`` binades above the first block's largest value, and with the row's hint (``hint``: the window
 over the span of the tensor read into the row before, here taken to be this one's), and writes the share of
@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 from precprof.models.gpt import GPT, GPTConfig  # noqa: E402
 from precprof.stats.layout import LAYOUT  # noqa: E402
 
-BLOCK = 512
+BLOCK = 512  # the row kernel's (``--block``; triton_engine.BLOCK by default)
 PROGRAMS = 4 * 132  # TritonRows' max_programs on an H100 or H200
 BF16_BIAS, BF16_FIELD_ALL = 127, 255
 
@@ -97,7 +97,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--heads", default="2,4,6", help="binades of room above the first block's largest value")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "window_reread_cpu.json"))
+    ap.add_argument("--block", type=int, default=None, help="values a block (default: triton_engine.BLOCK)")
     args = ap.parse_args(argv)
+    global BLOCK
+    from precprof.stats import triton_engine
+
+    BLOCK = args.block or triton_engine.BLOCK
     kcap = 2 * min(LAYOUT.overflow_shortcut_exp + BF16_BIAS, BF16_FIELD_ALL)
     t0 = time.perf_counter()
     tensors = step_tensors(args.batch, args.seq)
