@@ -48,8 +48,8 @@ NICENESS = LOWEST
 @dataclass(frozen=True)
 class Ahead:
     """What the other process compiles: for a GPU of ``capability`` (major, minor), the row kernels of
-    ``layout`` for ``dtypes`` (TritonRows' ``block``, ``num_warps``, ``rare_after``, ``stages``, ``planes``), and the block kernels
-    for ``block_dtypes`` and ``recipes``."""
+    ``layout`` for ``dtypes`` (TritonRows' ``block``, ``num_warps``, ``rare_after``, ``stages``, ``planes``), and
+    the block kernels for ``block_dtypes`` and ``recipes``."""
 
     capability: tuple[int, int]
     layout: RowLayout

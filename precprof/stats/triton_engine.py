@@ -13,7 +13,7 @@ are never converted by float arithmetic (no flush-to-zero can touch a subnormal)
   ``planes=False``), and keeps the largest and smallest of those values per lane (with the planes, of every
   value: a program that met a rare value takes them from its second read, below);
 - counts every other value ("rare": subnormals, values outside the window, at or above the layout's overflow
-  shortcut, inf, nan) in the histogram's slot 0; a program that met any reads its blocks a second time, and
+  shortcut, inf, nan) in a slot of their own; a program that met any reads its blocks a second time, and
   only a block holding one gives each its exact fp64 key by a relaxed integer atomic into the scratch (a
   histogram in two levels of 64 slots when it holds many), and makes the overflow compares and extremes for
   them (``RARE_AFTER``: the main loop then carries no rare path);

@@ -207,8 +207,9 @@ def _sweep(x_ptr, n, nfull, size1, size2, st0, st1, st2, base, lim, pid, nprog, 
            STRIDED: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr):  # fmt: skip
     # The main loop with ``PLANES``: the window's histogram in bit planes (triton_planes: no tl.histogram),
     # each iteration's BLOCK values in two loads of BLOCK // 2, the planes flushed every PLANE_ITERS
-    # iterations (the first chunk holds the last, partial block too). The 64 slots' counts, and the extremes of every value read:
-    # those of the window's when the program met no rare value (slot _RARE), else ``_rows`` reads them again
+    # iterations (the first chunk holds the last, partial block too). The 64 slots' counts, and the extremes
+    # of every value read: those of the window's when the program met no rare value (slot _RARE), else
+    # ``_rows`` reads them again
     H: tl.constexpr = BLOCK // 2
     T: tl.constexpr = BLOCK // 8
     tl.static_assert(BLOCK <= 2048)  # (a flush's sums over the program's lanes in 16-bit fields)
@@ -221,10 +222,9 @@ def _sweep(x_ptr, n, nfull, size1, size2, st0, st1, st2, base, lim, pid, nprog, 
     mx = tl.zeros([H], dtype=S)
     mn = tl.full([H], -1, dtype=S).to(U, bitcast=True)
     p0, p1, p2, p3, p4, p5, p6, p7 = z, z, z, z, z, z, z, z
-    if (
-        last
-    ):  # the last, partial block first, into the first chunk's planes (lanes past the end read 0: no count,
-        # and neither extreme moves)
+    # the last, partial block first, into the first chunk's planes (lanes past the end read 0: no count, and
+    # neither extreme moves)
+    if last:
         ma, ka, ia, mb, kb, ib = _halves(
             x_ptr, nfull * BLOCK + half, n, size1, size2, st0, st1, st2, base, lim, KIND, STRIDED, H, True
         )
