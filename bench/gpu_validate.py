@@ -301,7 +301,16 @@ def stage_kernels(run: Run) -> dict[str, Any]:
                 rec[f"blocks_{block_engine}_vs_sum"] = t_sum / t
             rows.append(rec)
             del x
+    from precprof.stats import triton_engine as te
+
     return {
+        # the default row kernel that ``rows`` timed (StatsBuffer's Triton engine on CUDA)
+        "row_kernel": {
+            "planes": te.PLANES,
+            "block": te.BLOCK,
+            "num_warps": te.NUM_WARPS,
+            "stages": te.STAGES,
+        },
         "rows": rows,
         "block_tiles": _block_tiles(run),
         "row_shapes": _row_shapes(run),
