@@ -24,9 +24,8 @@ and about 820 a flush (once a program for most tensors); counts exact whatever t
 import triton
 import triton.language as tl
 
-# bit 8q of every byte q, and its shifts
-_M01 = tl.constexpr(0x0101010101010101)
-# the delta swaps' masks (their bit 7 of each byte: the top mask is negative as an int64)
+# the delta swaps' masks: the low 4, 2 and 1 bits of each group of 8, 4 and 2 (the transpose of each byte's
+# 8 x 8 bits in ``flush``)
 _X4 = tl.constexpr(0x0F0F0F0F0F0F0F0F)
 _X2 = tl.constexpr(0x3333333333333333)
 _X1 = tl.constexpr(0x5555555555555555)
