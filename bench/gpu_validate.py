@@ -473,53 +473,52 @@ def _block_what_if(x2: torch.Tensor, engine: str) -> None:
     eng.add(x2, acc)
 
 
+# (registers bound, programs a multiprocessor per orientation) of the block kernel's sweep, the default first:
+# on an H200 (2026-12-04) the kernel at 80 registers read 178 GB/s fp32 for both orientations in one launch
+# (8 programs a multiprocessor requested, 6 resident) and 151-157 for one alone (4): more warps, more speed.
+# With 64 registers 8 programs fit; None: ptxas's own count (71), 7 fit.
+BLOCK_SHAPES = ((64, 4), (None, 4), (64, 2), (64, 8))
+
+
 def _block_tiles(run: Run) -> list[dict[str, Any]]:
-    """The Triton block kernel's throughput by tile (lines per tile, a line per thread at 128 with 4 warps) at
-    16M elements: both orientations in one launch (``TritonBlocks.add``, the hot path), and each orientation
-    alone (``block_stats_triton``). Compiled for sm_90 by triton 3.6 (the GPU machine's) at 128 lines: 80
-    registers, 192 instructions per value in the loop of its second read, 20 in its first; the former kernel
-    (a [32, 32] tile, its statistics added across the tile at every step) 168 registers and 567 instructions
-    per value, 45 GB/s fp32 for both orientations on an H200."""
+    """The Triton block kernel's throughput at 16M elements by ``BLOCK_SHAPES`` (a thread's registers bound,
+    programs a multiprocessor per orientation): both orientations in one launch (``TritonBlocks.add``, the hot
+    path), then each orientation alone at the default (``block_stats_triton``: half the programs). Compiled for
+    sm_90 by triton 3.6 (the GPU machine's): 62 registers under the bound of 64, 71 without, 143 instructions
+    per value in the loop of its second read, 18 in the rest of a tile's; the kernel before (80 registers, 192
+    and 20) read 178 GB/s fp32 for both orientations on an H200, 151 and 157 for one."""
     from precprof.stats import triton_block
 
     out: list[dict[str, Any]] = []
     if run.device.type != "cuda" or triton_block.unavailable(run.device) is not None:
         return out  # (Triton's interpreter takes minutes for these calls: a dry run leaves them out)
     recipes = list(blocks.RECIPES)
+    sms = torch.cuda.get_device_properties(run.device).multi_processor_count
     n = 1 << 24
     for dtype in (torch.float32, torch.bfloat16):
         x = torch.randn(n, device=run.device).to(dtype).view(-1, 1024)
         nbytes = x.numel() * x.element_size()
-        for ta in (128, 256, 512):
+        base = {"dtype": str(dtype).removeprefix("torch."), "tile": 128}
+        for bound, per_sm in BLOCK_SHAPES:
             if run.left() < 30:
                 return out
-            eng = triton_block.TritonBlocks(run.device, blocks.RECIPES, tile=ta)
-            eng.warm([dtype])
+            eng = triton_block.TritonBlocks(
+                run.device, blocks.RECIPES, max_programs=per_sm * sms, max_registers=bound
+            )
+            kernels = eng.warm([dtype])
             acc = torch.zeros(2, blocks.N_RECIPES, blocks.N_STATS, dtype=torch.float64, device=run.device)
             t = _time_s(lambda x=x, eng=eng, acc=acc: eng.add(x, acc), run.device, 3)
-            out.append(
-                {
-                    "dtype": str(dtype).removeprefix("torch."),
-                    "axis": "both",
-                    "tile": ta,
-                    "launch": eng.direct_status,
-                    "gbps": nbytes / t / 1e9,
-                }
-            )
+            rec = {**base, "axis": "both", "max_registers": bound, "programs_per_sm": per_sm}
+            compiled = kernels[-1].result() if hasattr(kernels[-1], "result") else kernels[-1]
+            rec["registers"] = getattr(compiled, "n_regs", None)
+            out.append({**rec, "launch": eng.direct_status, "gbps": nbytes / t / 1e9})
         for axis in (-1, -2):
             if run.left() < 30:
                 return out
             t = _time_s(
                 lambda x=x, axis=axis: triton_block.block_stats_triton(x, recipes, axis), run.device, 3
             )
-            out.append(
-                {
-                    "dtype": str(dtype).removeprefix("torch."),
-                    "axis": axis,
-                    "tile": 128,
-                    "gbps": nbytes / t / 1e9,
-                }
-            )
+            out.append({**base, "axis": axis, "gbps": nbytes / t / 1e9})
         del x
     return out
 

@@ -184,13 +184,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for dtype in (torch.float32, torch.bfloat16):
         code = triton_block.KINDS[dtype][0]
         consts = triton_block._consts(code, 128, slots)
-        kernel = triton_block._compile(consts, dtype, cpu)[-1]  # (the first: the amax kernel)
-        rec = analyse(_cubin(kernel))
-        rec.update(
-            tile=128, dtype=str(dtype).removeprefix("torch."), recipes=[r.name for r in blocks.RECIPES]
-        )
-        out["blocks"].append(rec)
-        print(f"blocks {dtype}: {rec['reg']} registers, loops {[lp['instructions'] for lp in rec['loops']]}")
+        for bound in dict.fromkeys((triton_block.MAX_REGISTERS, None)):
+            options = triton_block._options(bound)
+            kernel = triton_block._compile(consts, dtype, cpu, options)[-1]  # (the first: the amax kernel)
+            rec = analyse(_cubin(kernel))
+            rec.update(
+                tile=128,
+                dtype=str(dtype).removeprefix("torch."),
+                recipes=[r.name for r in blocks.RECIPES],
+                max_registers=options.get("maxnreg"),
+            )
+            out["blocks"].append(rec)
+            print(
+                f"blocks {dtype} (registers bound {rec['max_registers']}): {rec['reg']} registers, "
+                f"loops {[lp['instructions'] for lp in rec['loops']]}"
+            )
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
         print(f"wrote {args.out}")

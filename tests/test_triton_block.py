@@ -208,6 +208,28 @@ def test_accumulator_slot_of_a_larger_tensor_and_what_it_does_not_read() -> None
             tb.TritonBlocks(DEV, **{"recipes": FP4, **bad_args})  # type: ignore[arg-type]
 
 
+def test_a_program_reads_at_most_max_iters_tiles_and_the_scratch_grows_for_more_programs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A thread counts a recipe's flushed and saturated values in the two 16-bit halves of one int32, 32 values
+    of its line a tile: a program reads at most ``MAX_ITERS`` tiles, so a tensor that needs it gets more
+    programs than ``max_programs`` (2^36 values at 528 programs: 8,197 of at most 2,047 tiles), and
+    ``TritonBlocks.add`` grows its partials' scratch for them. With the bound at 2 tiles (6 programs where 2
+    were sized), the same statistics."""
+    assert 32 * tb.MAX_ITERS < 1 << 16
+    (*_, tiles, iters), programs = tb._geometry(1 << 20, 1 << 16, 1, 1 << 20, 128, 528)
+    assert (tiles, programs, iters) == (1 << 24, 8197, 2047)
+    assert tb._geometry(1 << 10, 1 << 14, 1, 1 << 10, 128, 528)[1] == 528  # (the usual case: most)
+    monkeypatch.setattr(tb, "MAX_ITERS", 2)
+    eng = tb.TritonBlocks(DEV, RECIPES, tile=8, max_programs=1)
+    assert eng.part.shape[0] == 2
+    x = rough((40, 24), torch.float32, seed=12)  # 5 tiles one way, 6 the other
+    acc = torch.zeros(2, len(RECIPES), 5, dtype=torch.float64, device=DEV)
+    assert eng.add(x.to(DEV), acc)
+    assert eng.part.shape[0] == 6
+    assert_same(acc, both(x, RECIPES))
+
+
 def test_a_sampled_tensor_is_one_launch_with_no_torch_work_around_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """The hooks' path (``StatsBuffer.accumulate_blocks`` on the Triton engine): one call of the launch for a
     tensor's two orientations, and around it only views (no allocation, no reduction, no copy: the launch adds
@@ -263,8 +285,8 @@ def _both_roundings(
 
 
 def test_the_rounding_on_bits_equals_the_general_rounding_and_real_casts() -> None:
-    """``_round_value`` (the per-value rounding: integer rounding of the bits for values normal in the format,
-    the magic-number sum below) equals ``_round_elem`` (the general one, kept for NVFP4's block scales) on a
+    """``_round_value`` (the per-value rounding: the magic-number sum with a power of two from the value's
+    exponent bits) equals ``_round_elem`` (the general one, kept for NVFP4's block scales) on a
     dense set of fp32 magnitudes of every element format: each binade's ulps of the format around 2^EMIN,
     around the max, every tie and its neighbours, fp32 subnormals, zero and values past the max; and equals
     the real fp8 casts (torch's e4m3fn and e5m2, after the clamp to the max)."""
@@ -463,7 +485,7 @@ for kind, fusion in ((0, False), (2, False), (0, True)):
     signature.update(dict.fromkeys([g + "0" for g in geometry] + ["progs0"] + [g + "1" for g in geometry], "i64"))
     consts = tb._consts(kind, 32, [tb.slot(r) for r in blocks.RECIPES])
     signature.update(dict.fromkeys(consts, "constexpr"))
-    options = {**tb.LAUNCH_OPTIONS, **({"enable_fp_fusion": True} if fusion else {})}
+    options = {**tb._options(tb.MAX_REGISTERS), **({"enable_fp_fusion": True} if fusion else {})}
     source = ASTSource(k._blocks, signature=signature, constexprs=consts)
     out[f"{kind}{'+fusion' if fusion else ''}"] = compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
 json.dump(out, sys.stdout)
@@ -475,7 +497,7 @@ def test_the_kernel_compiled_for_sm90_keeps_its_arithmetic_exact() -> None:
     Compiled for an H100 (sm_90: no GPU needed, in a process without the interpreter) with the launch's
     options, its PTX holds no fused multiply-add of fp32 values, no flush of subnormals (``.ftz``) and no
     approximate division, for fp32 and for fp16 (decoded by the exact conversion instruction); with fusion on,
-    the same source would contract (what the option is there for)."""
+    the same source would contract (what the option is there for). The register bound reaches ptxas."""
     import json
     import os
     import subprocess
@@ -498,4 +520,6 @@ def test_the_kernel_compiled_for_sm90_keeps_its_arithmetic_exact() -> None:
             assert forbidden not in exact, (kind, forbidden)
         assert exact.count("div.rn.f32") >= 5  # every division correctly rounded (rceil's, NVFP4's scales)
     assert "cvt.f32.f16" in ptx["2"]
+    # the bound on a thread's registers (eight programs a multiprocessor)
+    assert f".maxnreg {tb.MAX_REGISTERS}" in ptx["0"]
     assert "fma.rn.f32" in ptx["0+fusion"]

@@ -107,8 +107,9 @@ def compile_here(spec: Ahead) -> int:
 
 def done_marker(spec: Ahead) -> Path | None:
     """The file that says ``spec``'s kernels were compiled into Triton's cache by an earlier run: in that cache
-    (wiped with it), named by a hash of the spec, this Triton and the kernels' sources. None where this Triton
-    does not say where its cache is."""
+    (wiped with it), named by a hash of the spec, this Triton, the kernels' sources and the block kernel's
+    compile options (``triton_block``'s module: its registers bound). None where this Triton does not say
+    where its cache is."""
     try:
         import triton
 
@@ -120,7 +121,13 @@ def done_marker(spec: Ahead) -> Path | None:
         return None
     if not cache:
         return None
-    for name in ("triton_kernels.py", "triton_planes.py", "triton_finish.py", "triton_block_kernels.py"):
+    for name in (
+        "triton_kernels.py",
+        "triton_planes.py",
+        "triton_finish.py",
+        "triton_block_kernels.py",
+        "triton_block.py",
+    ):
         h.update(Path(__file__).with_name(name).read_bytes())
     return Path(cache) / "precprof-ahead" / f"{h.hexdigest()[:32]}.done"
 

@@ -27,17 +27,26 @@ the smallest fp32 whose reciprocal is finite, ``block_formats.NVFP4_TENSOR_SCALE
 s = E4M3(clamp(fl(fl(amax_block / 6) / p), 2^-6, 448)), element fl(|x| * fl(r / s)) rounded to E2M1 with
 saturation, dequantised fl(q * fl(p * s)). Errors are (|x| - |q|)^2 in float64 from exact values. That holds
 as compiled only without fused multiply-adds (``LAUNCH_OPTIONS``) and with subnormals kept, which Triton's
-fp32 instructions do (no ``.ftz``): a test reads the PTX compiled for sm_90. (The element's rounding runs on
-its bits where it is normal in its format, ``triton_block_kernels._round_value``, tested equal to the general
-rounding on every tie and binade edge; the squared errors are fused multiply-adds of float64, exact products.)
+fp32 instructions do (no ``.ftz``): a test reads the PTX compiled for sm_90. (The element's rounding is one
+magic-number sum whose power of two comes from the value's exponent bits, ``triton_block_kernels._round_value``,
+tested equal to the general rounding on every tie and binade edge; the squared errors are fused multiply-adds
+of float64, exact products.)
 
 Cost, compiled for sm_90 by triton 3.6 (the GPU machine's), fp32, the seven recipes of the layers table:
 the first kernel emulated every rounding in int64 arithmetic, 3,222 instructions per value, 255 registers and
 spills (6 GB/s on an H200); the second took [32 along, 32 lines] tiles and added each statistic across the tile
 at every step (three reductions per recipe through shared memory and barriers): 567 instructions per value,
-168 registers, 45 GB/s on an H200 for both orientations; this one 212 per value (192 in the second read's loop,
-20 in the first's), 80 registers, no reduction in the loop. Its speed is the GPU's to say (``gpu_validate``'s
-kernels stage).
+168 registers, 45 GB/s on an H200 for both orientations; the third 212 per value (192 in the second read's
+loop, 20 in the first's), 80 registers, no reduction in the loop: 178 GB/s fp32 and 87 bf16 on an H200 for
+both orientations in one launch at 16M values, against 151 and 157 fp32 for one orientation alone, whose
+launch had half the programs (4 a multiprocessor, 16 warps): the kernel waits on its instructions' latency
+more than it issues them, and more warps hide it. So this one takes fewer registers and fewer instructions:
+each recipe's flushed and saturated counts share an int32 (16 bits each, ``MAX_ITERS``), the element's
+rounding is one magic-number sum, the poisoned counts and NVFP4's sum of squares come from each tile's
+geometry and the MX sums, not from each value; 143 instructions per value in the second read's loop (18 in
+the rest of a tile's), 62 registers under a bound of 64 (``MAX_REGISTERS``; 71 unbound): eight programs a
+multiprocessor, both orientations of ``TritonBlocks.add``'s default grid in one wave. Its speed is the GPU's
+to say (``gpu_validate``'s kernels stage: ``block_tiles`` sweeps the bound and the programs).
 
 NVFP4 needs the tensor's amax before its blocks: a first kernel (``_amax``) reduces it with an integer atomic
 max into a 4-byte scratch (a second read of x, only when NVFP4 is requested). Sums are deterministic: each
@@ -84,6 +93,14 @@ _state: dict[str, Any] = {}
 # how the block kernel is compiled: no product and sum contracted into a fused multiply-add, whose single
 # rounding would not be the reference's two (its fp32 arithmetic is exact only as written)
 LAUNCH_OPTIONS: dict[str, Any] = {"enable_fp_fusion": False}
+# Registers a thread may take (ptxas's .maxnreg; None: as many as ptxas likes). At 64, eight programs of 4 warps
+# fit a multiprocessor (65,536 registers), the programs of both orientations of TritonBlocks.add's default grid
+# (4 a multiprocessor each) in one wave; compiled for sm_90 by triton 3.6 the kernel takes 71 without the
+# bound and 62 with it, with no spill and 2 more instructions a value in its loop.
+MAX_REGISTERS: int | None = 64
+# Tiles a program reads at most: its threads count a recipe's flushed and saturated values in the two 16-bit
+# halves of one int32 (triton_block_kernels._counts), at most 32 values a tile each
+MAX_ITERS = 2047
 
 
 def _kernels() -> Any:
@@ -174,9 +191,10 @@ def _tile_default() -> int:
 def _geometry(
     n_along: int, n_across: int, st_along: int, st_across: int, ta: int, most: int
 ) -> tuple[tuple[int, ...], int]:
-    """(n_along, n_across, st_along, st_across, tiles, iters) of one orientation, and its programs."""
+    """(n_along, n_across, st_along, st_across, tiles, iters) of one orientation, and its programs: at most
+    ``most``, unless a program would then read more than ``MAX_ITERS`` tiles."""
     tiles = -(-n_along // 32) * -(-n_across // ta)
-    programs = max(1, min(most, tiles))
+    programs = max(1, min(most, tiles), -(-tiles // MAX_ITERS))
     return (n_along, n_across, st_along, st_across, tiles, -(-tiles // programs)), programs
 
 
@@ -239,7 +257,7 @@ def block_stats_triton(
         group = slots[i : i + MAX_RECIPES]
         acc = torch.zeros(2, len(group), len(T.BLOCK_STATS), dtype=torch.float64, device=x.device)
         consts = _consts(code, ta, group)
-        _launch(consts, xi, scratch, part, acc, g0, p0, g0, 0)
+        _launch(consts, xi, scratch, part, acc, g0, p0, g0, 0, options=_options(MAX_REGISTERS))
         out.append(acc[0])
     return torch.cat(out)
 
@@ -285,6 +303,21 @@ def _consts(code: int, ta: int, slots: Sequence[int], positions: int | None = No
     )
 
 
+def _options(max_registers: int | None) -> dict[str, Any]:
+    """The block kernel's compile options: ``LAUNCH_OPTIONS``, and ``max_registers`` as ptxas's bound where
+    this Triton takes one (not in the interpreter, which has no registers)."""
+    if max_registers is None or interpreting():
+        return dict(LAUNCH_OPTIONS)
+    if "maxnreg" not in _state:
+        try:
+            from triton.backends.nvidia.compiler import CUDAOptions
+
+            _state["maxnreg"] = "maxnreg" in CUDAOptions.__dataclass_fields__
+        except ImportError:
+            _state["maxnreg"] = False
+    return {**LAUNCH_OPTIONS, "maxnreg": max_registers} if _state["maxnreg"] else dict(LAUNCH_OPTIONS)
+
+
 def _nv(consts: dict[str, Any]) -> bool:
     return bool(consts["MASK"] >> NVFP4_SLOT & 1)
 
@@ -300,17 +333,19 @@ def _launch(
     g1: tuple[int, ...],
     p1: int,
     *,
+    options: dict[str, Any],
     warm: bool = False,
 ) -> list[Any]:
     """Launch by Triton (or with ``warm``, only compile: no GPU work) the kernels of one tensor: the tensor's
-    amax when NVFP4 is asked for (``_amax``, over orientation 0's tiles), then ``_blocks``, ``p0`` programs
-    of orientation 0 and ``p1`` of orientation 1, adding into ``out``; returns the compiled kernels."""
+    amax when NVFP4 is asked for (``_amax``, over orientation 0's tiles), then ``_blocks`` compiled with
+    ``options`` (``_options``), ``p0`` programs of orientation 0 and ``p1`` of orientation 1, adding into
+    ``out``; returns the compiled kernels."""
     amax_kernel, blocks_kernel = _kernels()
     calls: list[tuple[Any, tuple[int], tuple[Any, ...], dict[str, Any]]] = []
     if _nv(consts):
         calls.append((amax_kernel, (p0,), (xi, scratch, *g0), dict(KIND=consts["KIND"], TA=consts["TA"])))
     args = (xi, scratch, part, out, *g0, p0, *g1)
-    calls.append((blocks_kernel, (p0 + p1,), args, {**consts, **LAUNCH_OPTIONS}))
+    calls.append((blocks_kernel, (p0 + p1,), args, {**consts, **options}))
     if warm:
         return [k.run(*a, grid=grid, warmup=True, **kw) for k, grid, a, kw in calls]
     for k, grid, a, kw in calls:
@@ -325,7 +360,9 @@ class TritonBlocks:
     (float64 [2 * programs, 16, 8]). ``warm`` compiles the variants (one per dtype), ``adopt_compiled`` takes
     them for a direct launch (``triton_launch._DirectLaunch``) once a small tensor shows it writes what
     Triton's own launch writes. ``tile``, ``max_programs``: as ``block_stats_triton``'s; ``positions``: of a
-    block, read by a thread at a time (1 on a GPU, 32 in the interpreter; a power of two up to 32)."""
+    block, read by a thread at a time (1 on a GPU, 32 in the interpreter; a power of two up to 32);
+    ``max_registers``: a thread's, bound at compile time (``MAX_REGISTERS`` by default; None: no bound). A
+    tensor that needs more programs than ``2 * max_programs`` (``MAX_ITERS``) grows the partials' scratch."""
 
     def __init__(
         self,
@@ -335,6 +372,7 @@ class TritonBlocks:
         tile: int | None = None,
         max_programs: int | None = None,
         positions: int | None = None,
+        max_registers: int | None = MAX_REGISTERS,
     ) -> None:
         why = unavailable(device)
         if why is not None:
@@ -355,6 +393,7 @@ class TritonBlocks:
         self.part = torch.empty(2 * self.most, SLOTS, STATS_PAD, dtype=torch.float64, device=device)
         self._ptrs = (self.scratch.data_ptr(), self.part.data_ptr())
         self._consts = {code: _consts(code, self.tile, self.slots, positions) for code, _ in KINDS.values()}
+        self._options = _options(max_registers)
         self._direct: dict[int, tuple[Any, Any]] = {}
         self._pending: list[tuple[int, list[Any]]] = []
         self.direct_status = "not compiled yet"
@@ -375,9 +414,14 @@ class TritonBlocks:
         if x.dtype not in KINDS or x.dim() < 2 or x.numel() == 0:
             return False
         code, xi, g0, p0, g1, p1 = self._args(x)
+        if p0 + p1 > self.part.shape[0]:  # (a tensor of more than 4G values on an H100: MAX_ITERS)
+            self.part = torch.empty(p0 + p1, SLOTS, STATS_PAD, dtype=torch.float64, device=self.device)
+            self._ptrs = (self.scratch.data_ptr(), self.part.data_ptr())
         direct = self._direct.get(code)
         if direct is None:
-            _launch(self._consts[code], xi, self.scratch, self.part, out, g0, p0, g1, p1)
+            _launch(
+                self._consts[code], xi, self.scratch, self.part, out, g0, p0, g1, p1, options=self._options
+            )
             return True
         amax, blocks = direct
         stream = int(torch._C._cuda_getCurrentRawStream(self.device.index))
@@ -400,7 +444,7 @@ class TritonBlocks:
         for dt in dict.fromkeys(dtypes):
             if dt not in KINDS:
                 continue
-            kernels = _compile(self._consts[KINDS[dt][0]], dt, self.device)
+            kernels = _compile(self._consts[KINDS[dt][0]], dt, self.device, self._options)
             self._pending.append((KINDS[dt][0], kernels))
             out += kernels
         if load:
@@ -447,15 +491,17 @@ class TritonBlocks:
         return bool(torch.equal(got, want))
 
 
-def _compile(consts: dict[str, Any], dtype: torch.dtype, device: torch.device) -> list[Any]:
-    """Compile ``_launch``'s kernels for tensors of ``dtype`` with example tensors on ``device`` (only their
-    dtypes count: no argument is specialised on its value or alignment)."""
+def _compile(
+    consts: dict[str, Any], dtype: torch.dtype, device: torch.device, options: dict[str, Any]
+) -> list[Any]:
+    """Compile ``_launch``'s kernels for tensors of ``dtype`` with ``options`` and example tensors on
+    ``device`` (only their dtypes count: no argument is specialised on its value or alignment)."""
     xi = torch.zeros(32, 32, dtype=KINDS[dtype][1], device=device)
     scratch = torch.zeros(2, dtype=torch.int32, device=device)
     part = torch.empty(2, SLOTS, STATS_PAD, dtype=torch.float64, device=device)
     out = torch.zeros(2, consts["NR"], len(T.BLOCK_STATS), dtype=torch.float64, device=device)
     g = (32, 32, 1, 32, 1, 1)
-    return _launch(consts, xi, scratch, part, out, g, 1, g, 1, warm=True)
+    return _launch(consts, xi, scratch, part, out, g, 1, g, 1, options=options, warm=True)
 
 
 def warm(
@@ -490,5 +536,5 @@ def compile_kernels(
     kernels: list[Any] = []
     for dt in dict.fromkeys(dtypes):
         if dt in KINDS:
-            kernels += _compile(_consts(KINDS[dt][0], ta, slots), dt, device)
+            kernels += _compile(_consts(KINDS[dt][0], ta, slots), dt, device, _options(MAX_REGISTERS))
     return kernels

@@ -4,10 +4,10 @@ when that engine runs: this module imports ``triton`` at the top.
 The arithmetic is the C kernel's (``stats/kernel.c``, ``run_tiles``): IEEE fp32 operations in the reference's
 order, each exact or rounded once as the reference rounds it, on magnitudes (rounding to nearest-even is
 symmetric, so |q| of |x| is |q| of x). Scaling by a power of two is exact; an element is rounded to its
-format by integer rounding of its bits where it is normal in the format and below that by the magic-number sum
+format by the magic-number sum with a power of two whose binade's spacing is the format's at the value
 (``_round_value``; ``_round_elem``, which NVFP4's block scales take, scales to the integers and back), exact
-round-to-nearest-even either way; divisions are ``tl.div_rn`` (IEEE, correctly rounded). That holds only as written: the launch turns off the
-contraction of a product and a sum into one fused multiply-add (``enable_fp_fusion=False``), and Triton's fp32
+round-to-nearest-even either way; divisions are ``tl.div_rn`` (IEEE, correctly rounded). That holds only as
+written: the launch turns off the contraction of a product and a sum into one fused multiply-add (``enable_fp_fusion=False``), and Triton's fp32
 instructions keep subnormals (no ``.ftz`` in its PTX for sm_90). Exponents and scales are built from bit
 patterns in int32. Float64 appears only in the error sums and the sums of squares.
 """
@@ -62,17 +62,15 @@ def _round_elem(a, MB: tl.constexpr, EMIN: tl.constexpr, FMAX: tl.constexpr):
 
 @triton.jit
 def _round_value(a, MB: tl.constexpr, EMIN: tl.constexpr, FMAX: tl.constexpr):
-    # ``_round_elem`` for the element of a block (the same result, fewer instructions): a magnitude clamped to
-    # the format's max and rounded to nearest-even on its bits when it is normal in the format (from 2^EMIN:
-    # add half an ulp less one, plus the kept lowest bit, and cut the SH bits below; a carry makes the next
-    # power of two, as it should), else at the fixed spacing 2^(EMIN - MB) by the magic-number sum with
-    # 2^(EMIN - MB + 23), within whose binade every such value lies
-    SH: tl.constexpr = 23 - MB
+    # ``_round_elem`` for the element of a block (the same result, fewer instructions): a magnitude c clamped
+    # to the format's max and rounded to nearest-even by the magic-number sum with big = 2^(E + 23 - MB), E the
+    # exponent of c's binade in the format (max(floor(log2 c), EMIN), from c's exponent bits): big's binade
+    # holds c + big (c < 2^(E + 1)) and its spacing, 2^(E - MB), is the format's at c; its significand is 0,
+    # so a tie goes to the even multiple; and (c + big) - big is exact
     c = tl.where(a > _cf(FMAX), _cf(FMAX), a)
-    b = c.to(tl.int32, bitcast=True)
-    up = ((b + ((1 << (SH - 1)) - 1) + ((b >> SH) & 1)) >> SH) << SH
-    big = _cf((EMIN - MB + 23 + 127) << 23)
-    return tl.where(b >= ((EMIN + 127) << 23), _f32(up), (c + big) - big)
+    e = tl.maximum(c.to(tl.int32, bitcast=True) & _INF, (EMIN + 127) << 23)
+    big = _f32(e + ((23 - MB) << 23))
+    return (c + big) - big
 
 
 @triton.jit
@@ -95,22 +93,26 @@ def _mx_scale(ab, FMAX: tl.constexpr, RCEIL: tl.constexpr):
 
 
 @triton.jit
-def _mx_elem(
-    a, down, up, f, s, e, MB: tl.constexpr, EMIN: tl.constexpr, FMAX: tl.constexpr, SAT: tl.constexpr
-):
-    # One MX recipe on one value of each block ([TA, JV]): its flushed and saturated counts and squared error
-    # added to f, s, e. a: |x| (fp32; 0 outside the tensor and in blocks that are not finite, where every
-    # statistic below is then 0 by itself: sc = q = d = 0); down, up: the block's 2^-k and 2^k; saturated: sc
-    # above SAT (the bits of block_formats.saturation_bound)
+def _counts(flushed, saturated):
+    # one value's two counts as one int32 increment: flushed in the low 16 bits, saturated in the high 16 (a
+    # thread adds at most 32 * MAX_ITERS < 2^16 of each: triton_block._geometry)
+    return flushed.to(tl.int32) + (saturated.to(tl.int32) << 16)
+
+
+@triton.jit
+def _mx_elem(a, down, up, c, e, MB: tl.constexpr, EMIN: tl.constexpr, FMAX: tl.constexpr, SAT: tl.constexpr):
+    # One MX recipe on one value of each block ([TA, JV]): its flushed and saturated counts added to c
+    # (``_counts``) and its squared error to e. a: |x| (fp32; 0 outside the tensor and in blocks that are not
+    # finite, where every statistic below is then 0 by itself: sc = q = d = 0); down, up: the block's 2^-k and
+    # 2^k; saturated: sc above SAT (the bits of block_formats.saturation_bound)
     sc = a * down
     q = _round_value(sc, MB, EMIN, FMAX) * up
-    f += ((a != 0) & (q == 0)).to(tl.int32)
-    s += (sc > _cf(SAT)).to(tl.int32)
+    c += _counts((a != 0) & (q == 0), sc > _cf(SAT))
     # d is exact in fp32 (q is 0 or within a factor of two of a, or inf past fp32's max), d * d in float64 (48
     # significant bits): the fused multiply-add rounds once, as the product and the sum do
     d = (a - q).to(tl.float64)
     e = tl.fma(d, d, e)
-    return f, s, e
+    return c, e
 
 
 @triton.jit
@@ -135,9 +137,11 @@ def _nv_scale(
 
 
 @triton.jit
-def _put(acc, S: tl.constexpr, fl, sa, po, x2, e2):
-    # add one tile's five statistics (T.BLOCK_STATS order) to row S of a program's [16, 8] accumulator;
-    # counts travel as float64, exact below 2^53
+def _put(acc, S: tl.constexpr, c, po, x2, e2):
+    # add one recipe's five statistics (T.BLOCK_STATS order) to row S of a program's [16, 8] accumulator,
+    # from its threads' counts (``_counts``); counts travel as float64, exact below 2^53
+    fl = tl.sum(c & 0xFFFF)
+    sa = tl.sum((c >> 16) & 0xFFFF)
     slot = tl.arange(0, 16)[:, None]
     stat = tl.arange(0, 8)[None, :]
     v = tl.where(stat == 0, fl.to(tl.float64), tl.where(stat == 1, sa.to(tl.float64), po.to(tl.float64)))
@@ -296,43 +300,48 @@ def _blocks(
     zi = tl.zeros([TA, JV], dtype=tl.int32)
     zf = tl.zeros([TA, JV], dtype=tl.float64)
     zb = tl.zeros([TA], dtype=tl.int32)
-    # MX: the sums of squares and the poisoned count (the same for every MX recipe), per recipe slot the
-    # flushed and saturated counts and the squared errors; NVFP4: its own five
+    # The sum of squares and, per line, the values of poisoned blocks (the same for every MX recipe) and the
+    # values inside the tensor; per recipe slot the flushed and saturated counts (``_counts``) and the squared
+    # errors; NVFP4's own (nc, ne). NVFP4's sum of squares is x2 and its poisoned count 0, or, in a tensor that
+    # is not finite, every value poisoned and nothing else counted: set when the program ends.
     x2 = zf
-    po = zi
-    f0, s0, e0 = zi, zi, zf
-    f1, s1, e1 = zi, zi, zf
-    f2, s2, e2 = zi, zi, zf
-    f3, s3, e3 = zi, zi, zf
-    f4, s4, e4 = zi, zi, zf
-    f5, s5, e5 = zi, zi, zf
-    f6, s6, e6 = zi, zi, zf
-    f7, s7, e7 = zi, zi, zf
-    f8, s8, e8 = zi, zi, zf
-    f9, s9, e9 = zi, zi, zf
-    nf, ns, ne, nx2, npo = zi, zi, zf, zf, zi
+    po = zb
+    seen = zb
+    c0, e0 = zi, zf
+    c1, e1 = zi, zf
+    c2, e2 = zi, zf
+    c3, e3 = zi, zf
+    c4, e4 = zi, zf
+    c5, e5 = zi, zf
+    c6, e6 = zi, zf
+    c7, e7 = zi, zf
+    c8, e8 = zi, zf
+    c9, e9 = zi, zf
+    nc, ne = zi, zf
     for it in range(0, iters):
         t = t0 + it * nstep
         nba = (n_along + 31) // 32
         along0 = (t % nba) * 32
         across = (t // nba) * TA + lines
-        # past the last tile, no position is inside (an integer bound: the interpreter mis-types a bool scalar
-        # & a tensor)
-        lim = tl.where(t < tiles, n_along, 0)
-        base = x_ptr + across * st_across
+        # the tile's positions inside the tensor, [0, nj) of each line inside (none past the last tile)
+        nj = tl.minimum(tl.maximum(tl.where(t < tiles, n_along, 0) - along0, 0), 32)
+        line_in = across < n_across
+        n_in = tl.where(line_in, nj, 0).to(tl.int32)
+        seen += n_in
+        base = x_ptr + across * st_across + along0 * st_along
         # first read: each block's amax bits, its halves' (NVFP4's blocks of 16) apart
         amax_a = zb
         amax_b = zb
         for j in range(0, 32, JV):
-            pos = along0 + j + jv
-            inside = (across < n_across)[:, None] & (pos < lim)
-            m = _mag(tl.load(base[:, None] + pos * st_along, mask=inside, other=0), KIND)
+            inside = line_in[:, None] & (j + jv < nj)
+            m = _mag(tl.load(base[:, None] + (j + jv) * st_along, mask=inside, other=0), KIND)
             first = j + jv < 16
             amax_a = tl.maximum(amax_a, tl.max(tl.where(first, m, 0), axis=1))
             amax_b = tl.maximum(amax_b, tl.max(tl.where(first, 0, m), axis=1))
         ab = tl.maximum(amax_a, amax_b)
         bad = ab >= _INF  # a nan or inf: the block has no finite scale, its values are poisoned
         ab = tl.where(bad, 0, ab)
+        po += tl.where(bad, n_in, 0)
         if MASK & 1:
             d0, u0 = _mx_scale(ab, FMAX0, False)
         if MASK & 2:
@@ -354,78 +363,74 @@ def _blocks(
         if MASK & 512:
             d9, u9 = _mx_scale(ab, FMAX4, True)
         if NV:
-            # a tensor that is not finite is poisoned whole (its values then read as 0)
-            fa, da = _nv_scale(tl.where(tensor_ok, amax_a, 0), p, r, MB0, EMIN0, FMAX0, FMAX4, NV_SMIN)
-            fb, db = _nv_scale(tl.where(tensor_ok, amax_b, 0), p, r, MB0, EMIN0, FMAX0, FMAX4, NV_SMIN)
+            # (a tensor that is not finite is poisoned whole: its NVFP4 statistics are set when the program
+            # ends, whatever these scales are)
+            fa, da = _nv_scale(amax_a, p, r, MB0, EMIN0, FMAX0, FMAX4, NV_SMIN)
+            fb, db = _nv_scale(amax_b, p, r, MB0, EMIN0, FMAX0, FMAX4, NV_SMIN)
         # second read (the tile is in L1 by now): every recipe on each value
         for j in range(0, 32, JV):
-            pos = along0 + j + jv
-            inside = (across < n_across)[:, None] & (pos < lim)
-            m = _mag(tl.load(base[:, None] + pos * st_along, mask=inside, other=0), KIND)
-            first = j + jv < 16
-            if (MASK & 0x3FF) != 0:
-                a = _f32(tl.where(bad[:, None], 0, m))
-                a64 = a.to(tl.float64)
-                x2 = tl.fma(a64, a64, x2)
-                po += (inside & bad[:, None]).to(tl.int32)
-                if MASK & 1:
-                    f0, s0, e0 = _mx_elem(a, d0, u0, f0, s0, e0, MB0, EMIN0, FMAX0, SAT0)
-                if MASK & 2:
-                    f1, s1, e1 = _mx_elem(a, d1, u1, f1, s1, e1, MB0, EMIN0, FMAX0, SAT0)
-                if MASK & 4:
-                    f2, s2, e2 = _mx_elem(a, d2, u2, f2, s2, e2, MB1, EMIN1, FMAX1, SAT1)
-                if MASK & 8:
-                    f3, s3, e3 = _mx_elem(a, d3, u3, f3, s3, e3, MB1, EMIN1, FMAX1, SAT1)
-                if MASK & 16:
-                    f4, s4, e4 = _mx_elem(a, d4, u4, f4, s4, e4, MB2, EMIN2, FMAX2, SAT2)
-                if MASK & 32:
-                    f5, s5, e5 = _mx_elem(a, d5, u5, f5, s5, e5, MB2, EMIN2, FMAX2, SAT2)
-                if MASK & 64:
-                    f6, s6, e6 = _mx_elem(a, d6, u6, f6, s6, e6, MB3, EMIN3, FMAX3, SAT3)
-                if MASK & 128:
-                    f7, s7, e7 = _mx_elem(a, d7, u7, f7, s7, e7, MB3, EMIN3, FMAX3, SAT3)
-                if MASK & 256:
-                    f8, s8, e8 = _mx_elem(a, d8, u8, f8, s8, e8, MB4, EMIN4, FMAX4, SAT4)
-                if MASK & 512:
-                    f9, s9, e9 = _mx_elem(a, d9, u9, f9, s9, e9, MB4, EMIN4, FMAX4, SAT4)
+            inside = line_in[:, None] & (j + jv < nj)
+            m = _mag(tl.load(base[:, None] + (j + jv) * st_along, mask=inside, other=0), KIND)
+            a = _f32(tl.where(bad[:, None], 0, m))
+            a64 = a.to(tl.float64)
+            x2 = tl.fma(a64, a64, x2)
+            if MASK & 1:
+                c0, e0 = _mx_elem(a, d0, u0, c0, e0, MB0, EMIN0, FMAX0, SAT0)
+            if MASK & 2:
+                c1, e1 = _mx_elem(a, d1, u1, c1, e1, MB0, EMIN0, FMAX0, SAT0)
+            if MASK & 4:
+                c2, e2 = _mx_elem(a, d2, u2, c2, e2, MB1, EMIN1, FMAX1, SAT1)
+            if MASK & 8:
+                c3, e3 = _mx_elem(a, d3, u3, c3, e3, MB1, EMIN1, FMAX1, SAT1)
+            if MASK & 16:
+                c4, e4 = _mx_elem(a, d4, u4, c4, e4, MB2, EMIN2, FMAX2, SAT2)
+            if MASK & 32:
+                c5, e5 = _mx_elem(a, d5, u5, c5, e5, MB2, EMIN2, FMAX2, SAT2)
+            if MASK & 64:
+                c6, e6 = _mx_elem(a, d6, u6, c6, e6, MB3, EMIN3, FMAX3, SAT3)
+            if MASK & 128:
+                c7, e7 = _mx_elem(a, d7, u7, c7, e7, MB3, EMIN3, FMAX3, SAT3)
+            if MASK & 256:
+                c8, e8 = _mx_elem(a, d8, u8, c8, e8, MB4, EMIN4, FMAX4, SAT4)
+            if MASK & 512:
+                c9, e9 = _mx_elem(a, d9, u9, c9, e9, MB4, EMIN4, FMAX4, SAT4)
             if NV:
-                ok = inside & tensor_ok
-                a = _f32(tl.where(ok, m, 0))
+                first = j + jv < 16
                 sc = a * tl.where(first, fa, fb)
                 q = _round_value(sc, MB4, EMIN4, FMAX4) * tl.where(first, da, db)
-                nf += ((a != 0) & (q == 0)).to(tl.int32)  # (a is 0 where not ok: p is nan there)
-                ns += ((sc > _cf(SAT4)) & ok).to(tl.int32)
-                a64 = a.to(tl.float64)
+                nc += _counts((a != 0) & (q == 0), sc > _cf(SAT4))
                 d = a64 - q.to(tl.float64)
-                ne += tl.where(ok, d * d, 0.0)
-                nx2 += a64 * a64
-                npo += (inside & ~ok).to(tl.int32)
+                ne = tl.fma(d, d, ne)
     acc = tl.zeros([16, 8], dtype=tl.float64)
+    x2_all = tl.sum(x2)
     if (MASK & 0x3FF) != 0:
-        x2_all = tl.sum(x2)
         po_all = tl.sum(po)
         if MASK & 1:
-            acc = _put(acc, 0, tl.sum(f0), tl.sum(s0), po_all, x2_all, tl.sum(e0))
+            acc = _put(acc, 0, c0, po_all, x2_all, tl.sum(e0))
         if MASK & 2:
-            acc = _put(acc, 1, tl.sum(f1), tl.sum(s1), po_all, x2_all, tl.sum(e1))
+            acc = _put(acc, 1, c1, po_all, x2_all, tl.sum(e1))
         if MASK & 4:
-            acc = _put(acc, 2, tl.sum(f2), tl.sum(s2), po_all, x2_all, tl.sum(e2))
+            acc = _put(acc, 2, c2, po_all, x2_all, tl.sum(e2))
         if MASK & 8:
-            acc = _put(acc, 3, tl.sum(f3), tl.sum(s3), po_all, x2_all, tl.sum(e3))
+            acc = _put(acc, 3, c3, po_all, x2_all, tl.sum(e3))
         if MASK & 16:
-            acc = _put(acc, 4, tl.sum(f4), tl.sum(s4), po_all, x2_all, tl.sum(e4))
+            acc = _put(acc, 4, c4, po_all, x2_all, tl.sum(e4))
         if MASK & 32:
-            acc = _put(acc, 5, tl.sum(f5), tl.sum(s5), po_all, x2_all, tl.sum(e5))
+            acc = _put(acc, 5, c5, po_all, x2_all, tl.sum(e5))
         if MASK & 64:
-            acc = _put(acc, 6, tl.sum(f6), tl.sum(s6), po_all, x2_all, tl.sum(e6))
+            acc = _put(acc, 6, c6, po_all, x2_all, tl.sum(e6))
         if MASK & 128:
-            acc = _put(acc, 7, tl.sum(f7), tl.sum(s7), po_all, x2_all, tl.sum(e7))
+            acc = _put(acc, 7, c7, po_all, x2_all, tl.sum(e7))
         if MASK & 256:
-            acc = _put(acc, 8, tl.sum(f8), tl.sum(s8), po_all, x2_all, tl.sum(e8))
+            acc = _put(acc, 8, c8, po_all, x2_all, tl.sum(e8))
         if MASK & 512:
-            acc = _put(acc, 9, tl.sum(f9), tl.sum(s9), po_all, x2_all, tl.sum(e9))
+            acc = _put(acc, 9, c9, po_all, x2_all, tl.sum(e9))
     if NV:
-        acc = _put(acc, 10, tl.sum(nf), tl.sum(ns), tl.sum(npo), tl.sum(nx2), tl.sum(ne))
+        # a tensor with a nan or inf: every value poisoned, nothing else counted. Else no block is poisoned,
+        # and x2 is the sum of squares of every value
+        nv_po = tl.where(tensor_ok, 0, tl.sum(seen))
+        nv_x2 = tl.where(tensor_ok, x2_all, 0.0)
+        acc = _put(acc, 10, tl.where(tensor_ok, nc, 0), nv_po, nv_x2, tl.where(tensor_ok, tl.sum(ne), 0.0))
     rows = tl.arange(0, 16)[:, None] * 8 + tl.arange(0, 8)[None, :]
     # (an L2 store, read back by whichever program finishes last: an L1 line of another SM is never stale)
     tl.store(part_ptr + pid.to(tl.int64) * 128 + rows, acc, cache_modifier=".cg")
