@@ -483,7 +483,8 @@ BLOCK_SHAPES = ((64, 4), (None, 4), (64, 2), (64, 8))
 def _block_tiles(run: Run) -> list[dict[str, Any]]:
     """The Triton block kernel's throughput at 16M elements by ``BLOCK_SHAPES`` (a thread's registers bound,
     programs a multiprocessor per orientation): both orientations in one launch (``TritonBlocks.add``, the hot
-    path), then each orientation alone at the default (``block_stats_triton``: half the programs). Compiled for
+    path), the same with one recipe (MXFP8 E4M3) instead of seven, then each orientation alone at the default
+    (``block_stats_triton``: half the programs). Compiled for
     sm_90 by triton 3.6 (the GPU machine's): 62 registers under the bound of 64, 71 without, 143 instructions
     per value in the loop of its second read, 18 in the rest of a tile's; the kernel before (80 registers, 192
     and 20) read 178 GB/s fp32 for both orientations on an H200, 151 and 157 for one."""
@@ -512,6 +513,15 @@ def _block_tiles(run: Run) -> list[dict[str, Any]]:
             compiled = kernels[-1].result() if hasattr(kernels[-1], "result") else kernels[-1]
             rec["registers"] = getattr(compiled, "n_regs", None)
             out.append({**rec, "launch": eng.direct_status, "gbps": nbytes / t / 1e9})
+        if run.left() >= 30:
+            # one recipe instead of seven: how much of the time is the recipes' arithmetic, how much the reads
+            one = triton_block.TritonBlocks(run.device, blocks.RECIPES[:1])
+            one.warm([dtype])
+            acc = torch.zeros(2, 1, blocks.N_STATS, dtype=torch.float64, device=run.device)
+            t = _time_s(lambda x=x, one=one, acc=acc: one.add(x, acc), run.device, 3)
+            out.append(
+                {**base, "axis": "both", "recipes": [blocks.RECIPES[0].name], "gbps": nbytes / t / 1e9}
+            )
         for axis in (-1, -2):
             if run.left() < 30:
                 return out
@@ -535,16 +545,23 @@ def _block_tiles(run: Run) -> list[dict[str, Any]]:
 # (``triton_engine.STAGES``; 3 stages compile, by triton 3.6 for sm_90, to asynchronous copies into shared memory,
 # 106 registers at 512 x 4); on an H200 3 stages read 1014 GB/s fp32 and 510 bf16 against 879 and 442 with none
 # (bench/results/README_h200_2026-11-27e.md). The third is the default.
-# (block, warps, rare after, stages, planes, programs a multiprocessor): the default first (the reference row),
-# then tl.histogram's best of 2026-11-27c (the default before the planes), then the planes' alternatives
+# (block, warps, rare after, stages, planes, programs a multiprocessor, registers bound): the default first
+# (the reference row), then tl.histogram's best of 2026-11-27c (the default before the planes), then the planes'
+# alternatives. The planes take 128 registers a thread (4 programs of 4 warps a multiprocessor); compiled for
+# sm_90 by triton 3.6 under a bound of 96 or 80 they keep the main loop free of spills, with 3 more instructions
+# there (24.1 a value), and spill around it (9 and 23 stores, 9 and 25 loads of the stack in the loop of its
+# flushes, once every 30 iterations): 5 or 6 programs fit. The block kernel read 2.3 times as many values a
+# second with more warps.
 ROW_SHAPES = (
-    (1024, 4, True, 3, True, 4),
-    (512, 4, True, 3, False, 4),
-    (1024, 4, True, 1, True, 4),
-    (1024, 4, True, 2, True, 4),
-    (1024, 4, True, 3, True, 2),
-    (2048, 4, True, 3, True, 4),
-    (1024, 4, True, 3, False, 4),
+    (1024, 4, True, 3, True, 4, None),
+    (512, 4, True, 3, False, 4, None),
+    (1024, 4, True, 1, True, 4, None),
+    (1024, 4, True, 2, True, 4, None),
+    (1024, 4, True, 3, True, 2, None),
+    (1024, 4, True, 3, True, 5, 96),
+    (1024, 4, True, 3, True, 6, 80),
+    (2048, 4, True, 3, True, 4, None),
+    (1024, 4, True, 3, False, 4, None),
 )
 
 
@@ -577,15 +594,19 @@ def _row_shapes(run: Run) -> list[dict[str, Any]]:
             stages=bw[3],
             planes=bw[4],
             max_programs=bw[5] * sms,
+            max_registers=bw[6],
         )
         for bw in (ROW_SHAPES[:2] if run.dry else ROW_SHAPES)
     }
     t0 = time.perf_counter()
     with triton_compile.parallel_compile(len(shapes) * len(variants)):
         compiled = [rows.warm(load=False, variants=variants) for rows in shapes.values()]
+    registers: dict[int, list[Any]] = {}  # per shape, each variant's registers a thread (as compiled)
     for rows, kernels in zip(shapes.values(), compiled, strict=True):
         triton_launch.load_kernels(kernels)
         rows.adopt_compiled()
+        done = [k.result() if hasattr(k, "result") else k for k in kernels]
+        registers[id(rows)] = [getattr(k, "n_regs", None) for k in done]
     compile_s = time.perf_counter() - t0
     # randn (no value outside a program's window of 31 binades), then one value in 1,000 scaled by 2^-40: every
     # program meets rare values (a second read of its blocks with rare_after). The same values for every shape
@@ -596,7 +617,7 @@ def _row_shapes(run: Run) -> list[dict[str, Any]]:
     inputs = {(dt, data): x.to(dt) for dt in dtypes for data, x in (("randn", plain), ("rare 1e-3", rare))}
     del plain, rare
     reference: dict[tuple[torch.dtype, str], torch.Tensor] = {}
-    for (block, warps, after, stages, planes, _per_sm), rows in shapes.items():
+    for (block, warps, after, stages, planes, _per_sm, bound), rows in shapes.items():
         if run.left() < 30:
             break
         target = LAYOUT.empty_rows(1, run.device)
@@ -617,6 +638,8 @@ def _row_shapes(run: Run) -> list[dict[str, Any]]:
                     "stages": stages,
                     "planes": planes,
                     "programs": rows.max_programs,
+                    "max_registers": bound,
+                    "registers": registers.get(id(rows)),
                     "dtype": str(dtype).removeprefix("torch."),
                     "data": data,
                     "gbps": nbytes / t / 1e9,

@@ -139,16 +139,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "rows": [],
         "blocks": [],
     }
-    # (block, warps, rare after, stages, planes): tl.histogram's shapes, then the bit planes' (the default)
+    # (block, warps, rare after, stages, planes, registers bound): tl.histogram's shapes, then the bit planes'
+    # (the default), and the planes under a bound (more programs a multiprocessor: gpu_validate's ROW_SHAPES)
     shapes = (
-        (512, 4, True, 1, False),
-        (512, 4, True, 3, False),
-        (1024, 4, True, 1, True),
-        (1024, 4, True, 3, True),
+        (512, 4, True, 1, False, None),
+        (512, 4, True, 3, False, None),
+        (1024, 4, True, 1, True, None),
+        (1024, 4, True, 3, True, None),
+        (1024, 4, True, 3, True, 80),
     )
-    for block, warps, after, stages, planes in shapes:
+    for block, warps, after, stages, planes, bound in shapes:
         rows = triton_engine.TritonRows(
-            cpu, LAYOUT, block=block, num_warps=warps, rare_after=after, stages=stages, planes=planes
+            cpu,
+            LAYOUT,
+            block=block,
+            num_warps=warps,
+            rare_after=after,
+            stages=stages,
+            planes=planes,
+            max_registers=bound,
         )
         for dtype in (torch.float32, torch.bfloat16):
             for many in (False, True):  # one tensor a launch (_rows), or up to 16 (_rows_many)
@@ -162,6 +171,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     rare_after=after,
                     stages=stages,
                     planes=planes,
+                    max_registers=bound,
                     dtype=str(dtype).removeprefix("torch."),
                     values_per_thread_per_iteration=block // (32 * warps),
                 )
@@ -177,6 +187,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 out["rows"].append(rec)
                 print(
                     f"{rec['kernel']} {block}x{warps} stages {stages} {'planes' if planes else 'tl.histogram'} "
+                    f"bound {bound} "
                     f"{dtype}: {rec['reg']} registers, loops {[lp['instructions'] for lp in rec['loops']]}, "
                     f"main loop {rec['main_loop_per_value']} a value"
                 )

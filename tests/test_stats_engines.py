@@ -558,3 +558,17 @@ def test_a_direct_launch_is_kept_only_where_its_check_passes() -> None:
         "(b: rows differ; c: TypeError: launcher takes other arguments)"
     )
     assert triton_launch.direct_status(3, "dtypes", []) == "direct launch of 3 compiled dtypes"
+
+
+def test_a_register_bound_is_a_compile_option_where_triton_takes_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``triton_launch.register_bound``: ptxas's ``maxnreg`` where a GPU compiles and this Triton takes it
+    (its CUDA options name it), nothing for no bound or in the interpreter, which has no registers."""
+    pytest.importorskip("triton")
+    from triton.backends.nvidia.compiler import CUDAOptions
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    takes = "maxnreg" in CUDAOptions.__dataclass_fields__
+    assert triton_launch.register_bound(80) == ({"maxnreg": 80} if takes else {})
+    assert triton_launch.register_bound(None) == {}
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert triton_launch.register_bound(80) == {}

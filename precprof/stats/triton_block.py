@@ -75,7 +75,13 @@ from precprof import block_formats as bf
 from precprof import tables as T
 from precprof.errors import UserError
 from precprof.stats.triton_engine import device_unsupported, interpreting, triton_missing
-from precprof.stats.triton_launch import _DirectLaunch, adopt_direct, direct_status, load_kernels
+from precprof.stats.triton_launch import (
+    _DirectLaunch,
+    adopt_direct,
+    direct_status,
+    load_kernels,
+    register_bound,
+)
 
 # dtype -> (kind code, the integer dtype of the same width the kernel reads)
 KINDS: dict[torch.dtype, tuple[int, torch.dtype]] = {
@@ -305,17 +311,8 @@ def _consts(code: int, ta: int, slots: Sequence[int], positions: int | None = No
 
 def _options(max_registers: int | None) -> dict[str, Any]:
     """The block kernel's compile options: ``LAUNCH_OPTIONS``, and ``max_registers`` as ptxas's bound where
-    this Triton takes one (not in the interpreter, which has no registers)."""
-    if max_registers is None or interpreting():
-        return dict(LAUNCH_OPTIONS)
-    if "maxnreg" not in _state:
-        try:
-            from triton.backends.nvidia.compiler import CUDAOptions
-
-            _state["maxnreg"] = "maxnreg" in CUDAOptions.__dataclass_fields__
-        except ImportError:
-            _state["maxnreg"] = False
-    return {**LAUNCH_OPTIONS, "maxnreg": max_registers} if _state["maxnreg"] else dict(LAUNCH_OPTIONS)
+    this Triton takes one (``triton_launch.register_bound``)."""
+    return {**LAUNCH_OPTIONS, **register_bound(max_registers)}
 
 
 def _nv(consts: dict[str, Any]) -> bool:

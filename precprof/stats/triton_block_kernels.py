@@ -324,9 +324,9 @@ def _blocks(
         along0 = (t % nba) * 32
         across = (t // nba) * TA + lines
         # the tile's positions inside the tensor, [0, nj) of each line inside (none past the last tile)
-        nj = tl.minimum(tl.maximum(tl.where(t < tiles, n_along, 0) - along0, 0), 32)
+        nj = tl.minimum(tl.maximum(tl.where(t < tiles, n_along, 0) - along0, 0), 32).to(tl.int32)
         line_in = across < n_across
-        n_in = tl.where(line_in, nj, 0).to(tl.int32)
+        n_in = tl.where(line_in, nj, 0)
         seen += n_in
         base = x_ptr + across * st_across + along0 * st_along
         # first read: each block's amax bits, its halves' (NVFP4's blocks of 16) apart

@@ -56,7 +56,13 @@ from typing import Any, NamedTuple
 import torch
 
 from precprof.stats.layout import _N_KEYS, _NO_MIN_BITS, EXP_MAX, EXP_MIN, N_BINS, RowLayout, f64_bits
-from precprof.stats.triton_launch import _DirectLaunch, adopt_direct, direct_status, load_kernels
+from precprof.stats.triton_launch import (
+    _DirectLaunch,
+    adopt_direct,
+    direct_status,
+    load_kernels,
+    register_bound,
+)
 
 # dtype -> (kind code, the integer dtype of the same width the kernel reads)
 KINDS: dict[torch.dtype, tuple[int, torch.dtype]] = {
@@ -268,6 +274,7 @@ class TritonRows:
         rare_after: bool | None = None,
         stages: int | None = None,
         planes: bool | None = None,
+        max_registers: int | None = None,
     ) -> None:
         kernels = _kernels()
         if isinstance(kernels, str):
@@ -310,6 +317,7 @@ class TritonRows:
         # values a program reads per iteration, and its warps: the kernel's registers and occupancy follow
         # them (gpu_validate's kernels stage sweeps them on a GPU)
         self.block, self.num_warps = block, num_warps
+        self._bound = register_bound(max_registers)  # a thread's registers bound at compile time; {}: none
         # the rare values in a second loop over a program's blocks, only when it met any (triton_kernels)
         self.rare_after = RARE_AFTER if rare_after is None else rare_after
         self.stages = STAGES if stages is None else stages  # the main loop's software pipelining
@@ -406,8 +414,10 @@ class TritonRows:
             args = (xi, *geometry, rows, row, self.scratch, lo, self.uf, self.fp8, self.hint, *_GRID_PID)
             kernel = self._strided if v.strided else self._contig
         if warm:
-            return kernel.run(*args, grid=grid, warmup=True, num_warps=self.num_warps, **self._constexprs(v))
-        kernel[grid](*args, num_warps=self.num_warps, **self._constexprs(v))
+            return kernel.run(
+                *args, grid=grid, warmup=True, num_warps=self.num_warps, **self._bound, **self._constexprs(v)
+            )
+        kernel[grid](*args, num_warps=self.num_warps, **self._bound, **self._constexprs(v))
         return None
 
     def _warm_one(self, v: Variant, rows: torch.Tensor) -> Any:

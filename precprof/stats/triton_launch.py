@@ -9,8 +9,27 @@ launcher only after a small launch shows it writes what Triton's own launch writ
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
+
+_TAKES_MAXNREG: list[bool] = []  # whether this Triton's CUDA compile takes ``maxnreg``, once known
+
+
+def register_bound(max_registers: int | None) -> dict[str, Any]:
+    """The compile option that bounds a thread's registers to ``max_registers`` (ptxas's ``.maxnreg``: fewer
+    registers, more programs resident on a multiprocessor), where this Triton takes one; {} for None and in
+    the interpreter, which has no registers."""
+    if max_registers is None or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return {}
+    if not _TAKES_MAXNREG:
+        try:
+            from triton.backends.nvidia.compiler import CUDAOptions
+
+            _TAKES_MAXNREG.append("maxnreg" in CUDAOptions.__dataclass_fields__)
+        except ImportError:
+            _TAKES_MAXNREG.append(False)
+    return {"maxnreg": max_registers} if _TAKES_MAXNREG[0] else {}
 
 
 def load_kernels(kernels: Iterable[Any]) -> int:
