@@ -386,6 +386,35 @@ def test_the_block_kernels_direct_launch_adds_what_tritons_launch_adds() -> None
     np.testing.assert_allclose(got[..., 3:], want[..., 3:].numpy(), rtol=1e-12, atol=0)
 
 
+@pytest.mark.gpu
+def test_the_block_kernels_16_bit_counts_hold_a_program_of_max_iters_tiles() -> None:
+    """A thread counts a recipe's flushed and saturated values in the two 16-bit halves of one int32. One
+    program reads ``MAX_ITERS`` tiles along 128 lines of 65,504 values, each line a thread's: 64 lines of 1.9
+    (all saturate in MXFP8 E4M3 with floor scales: 1.9 x 2^8 = 486.4, past 464), a saturated half of 0xFFE0;
+    64 whose blocks are 1.9 and 31 values of 1.9 x 2^-24 (they flush), a flushed half of 63,457. No carry into
+    or out of either: the counts the C kernel gives, with one program and with two."""
+    pytest.importorskip("triton")
+    from precprof.stats import blocks
+    from precprof.stats import triton_block as tb
+
+    n_along = 32 * tb.MAX_ITERS
+    x = torch.full((128, n_along), 1.9)
+    x[64:] *= 2.0**-24
+    x[64:, ::32] = 1.9
+    (*_, tiles, iters), programs = tb._geometry(n_along, 128, 1, n_along, 128, 1)
+    assert (tiles, iters, programs) == (tb.MAX_ITERS, tb.MAX_ITERS, 1)
+    want = blocks.tensor_block_stats(x, engine="c")
+    flushed, saturated = want[0, 0, 0].item(), want[0, 0, 1].item()  # "row", MXFP8 E4M3 (floor)
+    assert (flushed, saturated) == (64 * 31 * tb.MAX_ITERS, 64 * n_along + 64 * tb.MAX_ITERS)
+    for most in (1, 2):
+        eng = tb.TritonBlocks(torch.device("cuda"), blocks.RECIPES, max_programs=most)
+        got = torch.zeros(2, blocks.N_RECIPES, blocks.N_STATS, dtype=torch.float64, device="cuda")
+        assert eng.add(x.cuda(), got)
+        got = got.cpu()
+        assert torch.equal(got[..., :3], want[..., :3]), most
+        torch.testing.assert_close(got[..., 3:], want[..., 3:], rtol=1e-12, atol=0.0)
+
+
 _AHEAD_THEN_HERE = r"""
 import json, pathlib, sys, torch
 from precprof.stats import StatsBuffer, triton_ahead
