@@ -7,9 +7,10 @@ symmetric, so |q| of |x| is |q| of x). Scaling by a power of two is exact; an el
 format by the magic-number sum with a power of two whose binade's spacing is the format's at the value
 (``_round_value``; ``_round_elem``, which NVFP4's block scales take, scales to the integers and back), exact
 round-to-nearest-even either way; divisions are ``tl.div_rn`` (IEEE, correctly rounded). That holds only as
-written: the launch turns off the contraction of a product and a sum into one fused multiply-add (``enable_fp_fusion=False``), and Triton's fp32
-instructions keep subnormals (no ``.ftz`` in its PTX for sm_90). Exponents and scales are built from bit
-patterns in int32. Float64 appears only in the error sums and the sums of squares.
+written: the launch turns off the contraction of a product and a sum into one fused multiply-add
+(``enable_fp_fusion=False``), and Triton's fp32 instructions keep subnormals (no ``.ftz`` in its PTX for
+sm_90). Exponents and scales are built from bit patterns in int32. Float64 appears only in the error sums and
+the sums of squares. A recipe's flushed and saturated counts share one int32 a thread (``_counts``).
 """
 
 from typing import Any
