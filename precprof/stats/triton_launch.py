@@ -13,14 +13,18 @@ import os
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+import torch
+
 _TAKES_MAXNREG: list[bool] = []  # whether this Triton's CUDA compile takes ``maxnreg``, once known
 
 
 def register_bound(max_registers: int | None) -> dict[str, Any]:
     """The compile option that bounds a thread's registers to ``max_registers`` (ptxas's ``.maxnreg``: fewer
-    registers, more programs resident on a multiprocessor), where this Triton takes one; {} for None and in
-    the interpreter, which has no registers."""
+    registers, more programs resident on a multiprocessor), where this Triton takes one; {} for None, in the
+    interpreter, which has no registers, and under a ROCm build of torch (its compile has no such option)."""
     if max_registers is None or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return {}
+    if getattr(torch.version, "hip", None):
         return {}
     if not _TAKES_MAXNREG:
         try:
