@@ -105,7 +105,7 @@ SHARED_FIXTURES = {
 def _compile_sources() -> None:
     """Byte-compile precprof and the tests' modules into their ``__pycache__`` once, before any worker starts.
     The suite starts hundreds of Python processes that import precprof (``precprof train``, the stream's writer,
-    the benches' dry runs); where PYTHONDONTWRITEBYTECODE is set (the machines this suite has run on set it)
+    the benches' dry runs); where PYTHONDONTWRITEBYTECODE is set (the 2-core machine of these numbers sets it)
     none of them keeps the bytecode it compiles, and each compiled precprof from its sources again, about 0.3 s
     a process: tests/test_faults.py took 71-74 s under -n 2 without these files, 62-67 s with them. A read-only
     tree is left as it is; Python checks each file against its source's time and size."""
