@@ -9,13 +9,22 @@ launcher only after a small launch shows it writes what Triton's own launch writ
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 
-_TAKES_MAXNREG: list[bool] = []  # whether this Triton's CUDA compile takes ``maxnreg``, once known
+
+@functools.cache
+def _takes_maxnreg() -> bool:
+    """Whether this Triton's CUDA compile takes ``maxnreg``."""
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    return "maxnreg" in CUDAOptions.__dataclass_fields__
 
 
 def register_bound(max_registers: int | None) -> dict[str, Any]:
@@ -26,14 +35,7 @@ def register_bound(max_registers: int | None) -> dict[str, Any]:
         return {}
     if getattr(torch.version, "hip", None):
         return {}
-    if not _TAKES_MAXNREG:
-        try:
-            from triton.backends.nvidia.compiler import CUDAOptions
-
-            _TAKES_MAXNREG.append("maxnreg" in CUDAOptions.__dataclass_fields__)
-        except ImportError:
-            _TAKES_MAXNREG.append(False)
-    return {"maxnreg": max_registers} if _TAKES_MAXNREG[0] else {}
+    return {"maxnreg": max_registers} if _takes_maxnreg() else {}
 
 
 def load_kernels(kernels: Iterable[Any]) -> int:
