@@ -203,6 +203,9 @@ REASON_NONFINITE = "nonfinite loss"  # right after a non-finite loss
 REASON_SKIPPED = "skipped step"  # right after a step the GradScaler skipped
 REASON_SPIKE = "loss spike"  # right after a loss spike
 REASONS = (REASON_INTERVAL, REASON_FIRST, REASON_BUDGET, REASON_NONFINITE, REASON_SKIPPED, REASON_SPIKE)
+# the share of the run's time the Profiler may add by default (its overhead budget; the report names it beside a
+# fixed interval's overhead)
+DEFAULT_OVERHEAD_BUDGET = 0.03
 
 
 # The root module's name (its qualified name is ""), in every table, sentence and list that shows it

@@ -232,3 +232,24 @@ def test_the_reports_names_are_the_capture_ones() -> None:
     assert overhead.NICENESS_ENV == _priority.NICENESS_ENV
     assert set(overhead.EVENTS) == set(overhead.EVENT) == {REASON_SPIKE, REASON_NONFINITE, REASON_SKIPPED}
     assert {REASON_FIRST, *overhead.EVENTS} <= set(REASONS)
+
+
+@pytest.mark.parametrize("every", [3, None])
+def test_a_fixed_interval_says_so_beside_its_overhead_and_names_the_default_budget(every: int | None) -> None:
+    """The README's first run (``precprof train``: every 5th step sampled, for about 100 sampled steps) showed
+    "precprof's overhead 14.6% of the run's time" and nothing to say that this was the interval chosen, not
+    what a Profiler left at its defaults adds (a 3% budget). A fixed interval's card says which it was and
+    names the default budget; a budgeted run's says its budget, as before, and no interval."""
+    prof = _profiler(sample_every=every)
+    with prof:
+        _train(prof, 40)
+    summary, head, _row = _said(prof)
+    sampling = summary[T.SUMMARY_CAPTURE]["sampling"]
+    assert sampling["mode"] == ("every" if every else "budget")
+    if not every:  # (measured or withheld, this tiny run's budget card names its budget alone)
+        assert "fixed interval" not in head and "budget 3%" in head, head
+        return
+    # 13 sampled and 26 unsampled steps timed: the share is said, with the interval
+    share = f"{F.pct(sampling['overhead'])} of the run's time ("
+    assert head.startswith((share, f"at most {share}")), head
+    assert "; every 3rd step sampled: a fixed interval, not the default budget of 3%" in head, head

@@ -73,7 +73,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from precprof.schema import (  # why a step was sampled (the steps table's sample_reason)
+from precprof.schema import (  # why a step was sampled (the steps table's sample_reason); the default budget
+    DEFAULT_OVERHEAD_BUDGET,
     REASON_BUDGET,
     REASON_FIRST,
     REASON_INTERVAL,
@@ -82,7 +83,8 @@ from precprof.schema import (  # why a step was sampled (the steps table's sampl
     REASON_SPIKE,
 )
 
-DEFAULT_BUDGET = 0.03  # the share of the run's time the Profiler may add, by default
+DEFAULT_BUDGET = DEFAULT_OVERHEAD_BUDGET  # the share of the run's time the Profiler may add, by default
+
 FIRST_STEPS = 2  # sampled at the start of a budgeted run
 TRIGGER_HEADROOM = 2.0  # a step that matters may take the overhead up to this many budgets
 SPIKE_FACTOR = 1.5  # a loss spike: above this times the recent mean ...

@@ -26,6 +26,7 @@ from precprof.report import filters as F
 from precprof.report import memory_summary as M
 from precprof.report import summarize as S
 from precprof.report.overhead import past_budget, writer_wait
+from precprof.schema import DEFAULT_OVERHEAD_BUDGET
 
 SEVERITY_ORDER = {"critical": 0, "error": 0, "warning": 1, "info": 2}
 
@@ -384,6 +385,7 @@ def _overhead(summary: Mapping[str, Any], tp: dict[str, Any]) -> str:
     else:
         said.extend(overhead_parts(sampling))
         said.extend(_paused(sampling))
+        said.extend(_fixed_interval(sampling))
     if sampling.get("mode") == "budget" and isinstance(budget, (int, float)) and math.isfinite(budget):
         past = "" if withheld else past_budget(sampling)[0]  # steps sampled beyond it by design took it past
         said.append(f"budget {F.pct(float(budget))}" + (f", {past}" if past else ""))
@@ -400,6 +402,19 @@ def _overhead(summary: Mapping[str, Any], tp: dict[str, Any]) -> str:
         else ""
     )
     return text + (f" ({'; '.join(said)})" if said else "") + (f". {wait}" if wait else "")
+
+
+def _fixed_interval(sampling: Mapping[str, Any]) -> list[str]:
+    """Where the steps were sampled at a fixed interval (``sample_every=N``, the built-in loop's about 100
+    sampled steps), that interval, and that the Profiler's default is a budget: a first run's card read "14.6% of
+    the run's time" with nothing to say that a Profiler left at its defaults keeps to 3%."""
+    every = sampling.get("every")
+    if sampling.get("mode") != "every" or not isinstance(every, int) or every < 1:
+        return []
+    return [
+        f"{environment.ordinal_every(every)} sampled: a fixed interval, not the default budget of "
+        f"{F.pct(DEFAULT_OVERHEAD_BUDGET)}"
+    ]
 
 
 def _time_of(capture: Mapping[str, Any]) -> str:

@@ -625,7 +625,8 @@ def _engines(engine: Any) -> str:
     return F.plain(e.get("requested")) if e.get("requested") else ""
 
 
-def _ordinal_every(n: int) -> str:
+def ordinal_every(n: int) -> str:
+    """ "every step", "every 5th step": a fixed sampling interval in words."""
     return "every step" if n == 1 else f"every {F.ordinal(n)} step"
 
 
@@ -646,7 +647,7 @@ def capture_rows(
             text = "no step: per-step figures only (loss, loss scale, time), no per-layer statistics"
         else:
             origin = _int(capture.get("sample_origin")) or 0
-            text = _ordinal_every(every) + (f" from step {origin}" if origin else "")
+            text = ordinal_every(every) + (f" from step {origin}" if origin else "")
             if sampled is not None and recorded is not None:
                 text += f": {F.count(sampled)} of {F.count(recorded)} steps"
                 # (a resumed run's counts are its last attempt's: "4 of 4" stood below a header of 16, tester t3)
