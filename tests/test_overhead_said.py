@@ -252,4 +252,4 @@ def test_a_fixed_interval_says_so_beside_its_overhead_and_names_the_default_budg
     # 13 sampled and 26 unsampled steps timed: the share is said, with the interval
     share = f"{F.pct(sampling['overhead'])} of the run's time ("
     assert head.startswith((share, f"at most {share}")), head
-    assert "; every 3rd step sampled: a fixed interval, not the default budget of 3%" in head, head
+    assert "; every 3rd step sampled: a fixed interval, not the Profiler's default budget of 3%" in head, head

@@ -97,7 +97,8 @@ def test_the_overhead_card_keeps_to_the_sampled_step_costs_rule(sampled_at: tupl
         assert "a sampled step" not in head  # said once
     else:
         assert head["precprof's overhead"] == (
-            "32.4% of the run's time (every 3rd step sampled: a fixed interval, not the default budget of 3%)"
+            "32.4% of the run's time (every 3rd step sampled: a fixed interval, not the Profiler's default budget "
+            "of 3%)"
         )
         cost = float(np.median([t for t, s in zip(times[1:], sampled[1:], strict=True) if s])) / float(
             np.median([t for t, s in zip(times[1:], sampled[1:], strict=True) if not s])
@@ -137,7 +138,7 @@ def test_the_overhead_within_the_steps_noise_is_said_to_be_an_upper_bound(
     spread = float(np.quantile(plain, 0.75) - np.quantile(plain, 0.25)) / median
     parts = (
         "sampled steps 13.3%; prof.step() on every step 1.5%; every 3rd step sampled: a fixed interval, not the "
-        "default budget of 3%"
+        "Profiler's default budget of 3%"
     )
     if cost < 1 or cost - 1 < spread:
         assert head["precprof's overhead"] == (

@@ -412,7 +412,7 @@ def _fixed_interval(sampling: Mapping[str, Any]) -> list[str]:
     if sampling.get("mode") != "every" or not isinstance(every, int) or every < 1:
         return []
     return [
-        f"{environment.ordinal_every(every)} sampled: a fixed interval, not the default budget of "
+        f"{environment.ordinal_every(every)} sampled: a fixed interval, not the Profiler's default budget of "
         f"{F.pct(DEFAULT_OVERHEAD_BUDGET)}"
     ]
 
