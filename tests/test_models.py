@@ -394,6 +394,59 @@ def test_an_encoder_head_refused_says_it_in_precprofs_one_line_only() -> None:
 
 
 @needs_hf
+def test_special_token_ids_outside_a_small_vocabulary_are_not_said_while_precprof_builds() -> None:
+    """``-a vocab_size=256`` on hf:gpt2 printed transformers' "Model config: bos_token_id must be `None` or an
+    integer within the vocabulary (between 0 and 255), got 50256. This may result in unexpected behavior." and the
+    same of eos_token_id before the run (starcoder2 printed both with its own defaults): the built-in loop feeds
+    the data's tokens and generates nothing, so they are not about the run. Dropped while precprof builds; a line
+    the user's code logs after it shows."""
+    import logging
+
+    from precprof.models.hf import SPECIAL_TOKEN_ID_OUTSIDE
+
+    class Seen(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lines: list[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.lines.append(record.getMessage())
+
+    class Logged(logging.Filter):  # what the config's logger logs, before any handler's filter
+        def __init__(self) -> None:
+            super().__init__()
+            self.lines: list[str] = []
+
+        def filter(self, record: logging.LogRecord) -> bool:
+            self.lines.append(record.getMessage())
+            return True
+
+    seen, hf_root = Seen(), logging.getLogger("transformers")
+    logged, config_logger = Logged(), logging.getLogger("transformers.configuration_utils")
+    hf_root.addHandler(seen)
+    config_logger.addFilter(logged)
+    # transformers logs it once a process (``warning_once``, a cache of its messages): an earlier build in this
+    # worker would have left nothing to drop
+    once = getattr(logging.Logger, "warning_once", None)
+    if once is not None and hasattr(once, "cache_clear"):
+        once.cache_clear()
+    try:
+        args = {"n_layer": "1", "n_embd": "32", "n_head": "2", "vocab_size": "256"}
+        built = build_model("hf:gpt2", args, vocab_size=256, seq_len=16)
+        config = built.module.config
+        assert config.bos_token_id == config.eos_token_id == 50256  # the config as transformers made it
+        # logged (bos and eos, as transformers validates a config), and not shown
+        assert len([line for line in logged.lines if SPECIAL_TOKEN_ID_OUTSIDE in line]) >= 2, logged.lines
+        assert not [line for line in seen.lines if SPECIAL_TOKEN_ID_OUTSIDE in line], seen.lines
+        said = f"Model config: bos{SPECIAL_TOKEN_ID_OUTSIDE} (between 0 and 255), got 50256."
+        hf_root.warning(said)  # the user's own, after the build
+        assert said in seen.lines, seen.lines
+    finally:
+        hf_root.removeHandler(seen)
+        config_logger.removeFilter(logged)
+
+
+@needs_hf
 def test_a_hf_model_too_big_is_told_sizes_that_build(monkeypatch: pytest.MonkeyPatch) -> None:
     """hf:llama's default config is 7B parameters: the refusal gives --model-arg settings, and the model they
     name builds, with the parameter count the message gives."""
