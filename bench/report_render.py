@@ -29,6 +29,7 @@ import torch  # noqa: E402
 from report_fixtures import layers_from_module, recommendation_dict, synthetic_run  # noqa: E402
 
 import precprof  # noqa: E402
+from precprof import hardware  # noqa: E402
 from precprof.report import render_report  # noqa: E402
 
 
@@ -86,7 +87,7 @@ def main() -> None:
         "target_s": 10.0,
         "ok": max(times) < 10.0,
         "machine": {
-            "cpu": platform.processor() or platform.machine(),
+            "cpu": hardware.detect("cpu").name,  # the model name (platform.processor() is "" on Linux)
             "cores": os.cpu_count(),
             "python": platform.python_version(),
             "torch": torch.__version__,

@@ -533,6 +533,10 @@ def sum_histograms(table: pa.Table | None) -> pd.DataFrame:
         col = table.column(c) if c in table.column_names else None
         if col is None or pa.types.is_null(col.type):  # a column no row had a value in
             col = pa.nulls(table.num_rows, pa.int64() if c in (EXPONENT, COUNT) else pa.string())
+        elif c not in (EXPONENT, COUNT) and not pa.types.is_dictionary(col.type):
+            # a text key as text (a pandas table's: ``sum_histogram_frame``) made a dictionary first: grouping
+            # 9.8M rows of 965 modules' names took 1.26 s as text, 0.53 s encoding them and grouping the codes
+            col = pc.dictionary_encode(col)
         cols[c] = col
     # text keys grouped as dictionaries (their codes, never a string per row), merged across parts first
     g = pa.table(cols).unify_dictionaries().group_by(keys).aggregate([(COUNT, "sum")])
