@@ -626,7 +626,7 @@ def _engines(engine: Any) -> str:
 
 
 def ordinal_every(n: int) -> str:
-    """ "every step", "every 5th step": a fixed sampling interval in words."""
+    """A fixed sampling interval in words: "every step", "every 5th step"."""
     return "every step" if n == 1 else f"every {F.ordinal(n)} step"
 
 
