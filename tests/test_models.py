@@ -354,6 +354,17 @@ def test_a_hf_config_its_validator_refuses_is_one_line_with_the_reason() -> None
     assert "validator" not in line and "\n" not in line
 
 
+class _Seen(logging.Handler):
+    """The messages of the records a logger's handlers get (after the handlers' filters)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
 @needs_hf
 def test_an_encoder_head_refused_says_it_in_precprofs_one_line_only() -> None:
     """Tester t4: ``precprof train -m hf:bert`` without is_decoder printed transformers' "If you want to use
@@ -361,19 +372,9 @@ def test_an_encoder_head_refused_says_it_in_precprofs_one_line_only() -> None:
     before precprof's own line, which says it with the option to pass. Only precprof's line now, whatever handler
     shows transformers' lines; the filter is gone after the build (the line shows where the user builds the
     model)."""
-    import logging
-
     from transformers import BertConfig, BertLMHeadModel
 
     from precprof.models.hf import SAID_BY_PRECPROF
-
-    class Seen(logging.Handler):
-        def __init__(self) -> None:
-            super().__init__()
-            self.lines: list[str] = []
-
-        def emit(self, record: logging.LogRecord) -> None:
-            self.lines.append(record.getMessage())
 
     args = {
         "num_hidden_layers": "1",
@@ -381,7 +382,7 @@ def test_an_encoder_head_refused_says_it_in_precprofs_one_line_only() -> None:
         "num_attention_heads": "2",
         "intermediate_size": "64",
     }
-    seen, hf_root = Seen(), logging.getLogger("transformers")
+    seen, hf_root = _Seen(), logging.getLogger("transformers")
     hf_root.addHandler(seen)
     try:
         with pytest.raises(UserError, match=r"-a is_decoder=true makes it causal"):
@@ -400,17 +401,7 @@ def test_special_token_ids_outside_a_small_vocabulary_are_not_said_while_precpro
     same of eos_token_id before the run (starcoder2 printed both with its own defaults): the built-in loop feeds
     the data's tokens and generates nothing, so they are not about the run. Dropped while precprof builds; a line
     the user's code logs after it shows."""
-    import logging
-
     from precprof.models.hf import SPECIAL_TOKEN_ID_OUTSIDE
-
-    class Seen(logging.Handler):
-        def __init__(self) -> None:
-            super().__init__()
-            self.lines: list[str] = []
-
-        def emit(self, record: logging.LogRecord) -> None:
-            self.lines.append(record.getMessage())
 
     class Logged(logging.Filter):  # what the config's logger logs, before any handler's filter
         def __init__(self) -> None:
@@ -421,7 +412,7 @@ def test_special_token_ids_outside_a_small_vocabulary_are_not_said_while_precpro
             self.lines.append(record.getMessage())
             return True
 
-    seen, hf_root = Seen(), logging.getLogger("transformers")
+    seen, hf_root = _Seen(), logging.getLogger("transformers")
     logged, config_logger = Logged(), logging.getLogger("transformers.configuration_utils")
     hf_root.addHandler(seen)
     config_logger.addFilter(logged)
