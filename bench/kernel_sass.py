@@ -149,16 +149,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         (1024, 4, True, 3, True, 80),
     )
     for block, warps, after, stages, planes, bound in shapes:
-        rows = triton_engine.TritonRows(
-            cpu,
-            LAYOUT,
-            block=block,
-            num_warps=warps,
-            rare_after=after,
-            stages=stages,
-            planes=planes,
-            max_registers=bound,
-        )
+        # the row engine's settings, which the record repeats under the same names
+        shape = {
+            "block": block,
+            "num_warps": warps,
+            "rare_after": after,
+            "stages": stages,
+            "planes": planes,
+            "max_registers": bound,
+        }
+        rows = triton_engine.TritonRows(cpu, LAYOUT, **shape)
         for dtype in (torch.float32, torch.bfloat16):
             for many in (False, True):  # one tensor a launch (_rows), or up to 16 (_rows_many)
                 variant = triton_engine.Variant(triton_engine.KINDS[dtype][0], False, True, many)
@@ -166,12 +166,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 rec = analyse(_cubin(kernel))
                 rec.update(
                     kernel="_rows_many" if many else "_rows",
-                    block=block,
-                    num_warps=warps,
-                    rare_after=after,
-                    stages=stages,
-                    planes=planes,
-                    max_registers=bound,
+                    **shape,
                     dtype=str(dtype).removeprefix("torch."),
                     values_per_thread_per_iteration=block // (32 * warps),
                 )
