@@ -92,6 +92,10 @@ LAZY: dict[str, tuple[str, ...]] = {
     "stats/triton_block.py": (
         "precprof.stats.triton_block_kernels imports triton, needed only by the block kernels",
     ),
+    "stats/triton_updates.py": (
+        "precprof.stats.triton_update_kernels imports triton, needed only where the weight-update samples run "
+        "in Triton",
+    ),
     "__init__.py": (
         "precprof.Profiler (precprof.capture) imports torch, which reading a run directory never needs",
         "recommend and Recommendation (precprof.pipeline) import pandas, Arrow and the report: `import precprof` "

@@ -158,7 +158,7 @@ def test_c_update_counts_compute_in_ieee_mode(dtype: torch.dtype) -> None:
         (group,) = sampler._groups
         with flush_denormal() if ftz else _nothing():
             sampler.before_step()
-            assert group._host_read
+            assert group._reader_read
             with torch.no_grad():
                 for p, a in zip(params, news, strict=True):
                     p.copy_(a)  # a copy of the same dtype: bits, never flushed

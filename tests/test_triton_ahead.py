@@ -69,7 +69,7 @@ def test_the_other_process_fills_the_cache_and_a_second_finds_every_kernel_there
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sm90: tuple[Path, str | None]
 ) -> None:
     """Compiled for sm_90 in another process (no GPU, the interpreter off there): the row kernels of a dtype
-    (4 variants) and the block kernels land in the cache given by TRITON_CACHE_DIR, with their cubins; the
+    (4 variants), the block kernels and the weight-update samples' land in the cache given by TRITON_CACHE_DIR, with their cubins; the
     same spec compiled again writes nothing (every kernel a hit), and other rows (another block) are other
     kernels. (One dtype: each kernel's compile for sm_90 takes seconds of the suite.)"""
     filled, said = sm90
@@ -92,6 +92,12 @@ def test_the_other_process_fills_the_cache_and_a_second_finds_every_kernel_there
             ptx,
             ordered,
         )
+    # the weight-update samples' two kernels (``triton_updates``), for fp32 members: no arithmetic of theirs
+    # flushes a subnormal update or weight to zero (as the torch path's does not)
+    updates = [f for f in first if f.endswith(("_read.ptx", "_classify.ptx"))]
+    assert len(updates) == 2, sorted(first)
+    for ptx in updates:
+        assert ".ftz" not in (tmp_path / ptx).read_text(), ptx
     t0 = time.perf_counter()
     assert triton_ahead.compile_ahead(fp32) is None
     again_s = time.perf_counter() - t0

@@ -19,9 +19,11 @@ import precprof
 from precprof import tables as T
 from precprof.analysis import update_ratio
 from precprof.analysis.advisor import evidence
+from precprof.capture import update_readers
 from precprof.capture.reducer import RankReducer
 from precprof.report import filters, timeline
 from precprof.stats import kernel as cpu_kernel
+from precprof.stats import triton_engine, triton_updates
 from precprof.stats.engine import ENGINE_ENV
 
 STEPS = 3
@@ -29,7 +31,16 @@ OPTIMIZERS = {
     "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
     "adam": lambda ps: torch.optim.Adam(ps, lr=1e-3),
 }
-ENGINES = ["torch", *(["c"] if cpu_kernel.load() is not None else [])]
+# the torch path, the C kernel's reader and the Triton kernels' (``stats.triton_updates``, in Triton's interpreter)
+ENGINES = [
+    "torch",
+    *(["c"] if cpu_kernel.load() is not None else []),
+    *(
+        ["triton"]
+        if triton_engine.interpreting() and triton_engine.unavailable(torch.device("cpu")) is None
+        else []
+    ),
+]
 
 
 def _model(dtype: torch.dtype) -> nn.Module:
@@ -64,7 +75,10 @@ def _train(
     names = dict(m.named_parameters())
     own = []
     prof = (
-        precprof.Profiler(m, optimizer=opt, sample_every=1, memory=False, reducer=reducer)
+        # (the Triton engine's kernels compiled at attach, not beside the steps: every step sampled)
+        precprof.Profiler(
+            m, optimizer=opt, sample_every=1, memory=False, reducer=reducer, compile_beside=False
+        )
         if profile
         else None
     )
@@ -267,12 +281,23 @@ def test_nan_and_inf_updates_are_counted_not_read_as_zero(
     around the step do, and the sizes stay those of the finite updates. A bias whose every update is nan has no
     largest finite update: its absmax read 0.0, "did not move"; it is NaN, as its absmin."""
     monkeypatch.setenv(ENGINE_ENV, engine)
+    classified: list[bool] = []  # what each in-place reader's ``classify`` returned
+
+    def spy(real: Any) -> Any:
+        def classify(self: Any, *args: Any) -> bool:
+            classified.append(real(self, *args))
+            return classified[-1]
+
+        return classify
+
+    for cls in (update_readers.HostSamples, triton_updates.TritonSamples):
+        monkeypatch.setattr(cls, "classify", spy(cls.classify))
     m = _model(torch.float32)
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
     x, y = torch.randn(16, 40), torch.randn(16, 1)
     names = dict(m.named_parameters())
     own = {}
-    with precprof.Profiler(m, optimizer=opt, sample_every=1, memory=False) as prof:
+    with precprof.Profiler(m, optimizer=opt, sample_every=1, memory=False, compile_beside=False) as prof:
         (m(x) - y).square().mean().backward()
         grad = names["0.weight"].grad
         assert grad is not None
@@ -286,7 +311,11 @@ def test_nan_and_inf_updates_are_counted_not_read_as_zero(
             finite = d[d.isfinite()]
             top = float(finite.abs().max()) if len(finite) else math.nan
             own[n] = (int(d.isnan().sum()), int(d.isinf().sum()), float(finite.square().sum() / len(d)), top)
+        # each engine's reader read the samples in place (the torch path: none)
+        readers = {type(g._reader).__name__ for g in prof._updates._groups}  # type: ignore[union-attr]
+        assert readers == {{"c": "HostSamples", "triton": "TritonSamples"}.get(engine, "NoneType")}
         prof.step()
+        assert classified == ([] if engine == "torch" else [True])  # ... and classified the step's updates
         layers = prof.tables()["layers"]
     rows = layers[layers[T.TENSOR] == T.WEIGHT_UPDATE].astype({T.MODULE: str, T.PARAM: str})
     got = rows.set_index([T.MODULE, T.PARAM])

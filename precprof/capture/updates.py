@@ -21,31 +21,29 @@ element with a zero gradient whose momentum update did not land is not seen. Bes
 size (``capture/update_sizes.py``): the sums of the squared updates and weights, the largest and smallest
 nonzero |update|, in a float64 buffer per device.
 
-On the CPU, where the C statistics kernel is in use, the parameters' samples are gathered and classified by
-the kernel (``_HostSamples``: one call in each optimizer hook, the same arithmetic); the torch ops above cost
-a sampled step of many small parameters about 2 us per parameter.
+Where the C statistics kernel (CPU) or the Triton engine (CUDA) is in use, the samples are read in place by
+the parameters' addresses (``capture/update_readers.py``: the same arithmetic in one call or launch in each
+optimizer hook); the torch ops above cost a sampled step of many small parameters about 2 us per parameter on
+the CPU, and GPT-2 small's 148 parameters about 300 ops on a GPU.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import torch
 
 from precprof import _compat
 from precprof import tables as T
-from precprof.capture import update_carry, update_sizes, update_steps
+from precprof.capture import update_carry, update_readers, update_sizes, update_steps
 from precprof.capture.records import _local, _ParamSlot, sample_stride
 from precprof.capture.storage import dtype_name
-from precprof.stats import engine as _engine
-from precprof.stats import kernel as _cpu_kernel
 from precprof.stats.buffer import unreadable
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _PLAIN_SET = frozenset(_PLAIN)
-_HOST_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # kernel.c's pp_upd_* dtype codes
 
 
 def _sampled_in_place(t: torch.Tensor) -> bool:
@@ -53,108 +51,6 @@ def _sampled_in_place(t: torch.Tensor) -> bool:
     shard of a DTensor; not a wrapper subclass such as torchao's NF4 weights, nor a complex parameter)."""
     local = t if type(t) in _PLAIN_SET else _local(t.detach())
     return not local.is_complex() and (type(local) in _PLAIN_SET or not hasattr(local, "__tensor_flatten__"))
-
-
-class _HostSamples:
-    """A CPU group's samples through the C kernel (``pp_upd_gather``, ``pp_upd_nonzero``,
-    ``pp_upd_classify``): the parameters' data and gradients read in place by pointer, while every member is
-    a plain contiguous fp32, bf16 or fp16 tensor (and every gradient present is contiguous); False from a
-    method sends the group down the torch path for the step."""
-
-    def __init__(self, lib: Any, members: list[_ParamSlot]) -> None:
-        self.lib = lib
-        self.k = len(members)
-        self.strides = np.array([ps.sample_stride for ps in members], dtype=np.int64)
-        self.lens = np.array([ps.sample_len for ps in members], dtype=np.int64)
-        self.dtypes = np.zeros(self.k, dtype=np.int64)
-        self.ptrs = np.zeros(self.k, dtype=np.int64)
-        self.grad_ptrs = np.zeros(self.k, dtype=np.int64)
-        total = int(self.lens.sum())
-        self.before = np.zeros(total, dtype=np.float32)
-        self.after = np.zeros(total, dtype=np.float32)
-        self.starts = np.concatenate(([0], np.cumsum(self.lens)[:-1])).astype(np.int64)  # each member's first
-        self.intended = np.zeros(total, dtype=np.uint8)
-        self._held: list[int] | None = None  # the members' data pointers the arrays were made for
-        self._param_dtypes: list[torch.dtype] = []
-
-    def _params(self, tensors: Sequence[torch.Tensor]) -> bool:
-        """Point at the members' data now; False when one cannot be read in place."""
-        try:
-            ptrs = list(map(torch.Tensor.data_ptr, tensors))
-        except (RuntimeError, TypeError):  # a wrapper without storage of its own
-            return False
-        if ptrs == self._held:
-            return True
-        self._held = None
-        codes = [_HOST_DTYPES.get(t.dtype, -1) for t in tensors]
-        if -1 in codes or not all(type(t) in _PLAIN and t.is_contiguous() for t in tensors):
-            return False
-        self.ptrs[:] = ptrs
-        self.dtypes[:] = codes
-        self._param_dtypes = [t.dtype for t in tensors]
-        self._held = ptrs
-        return True
-
-    def read_before(self, tensors: Sequence[torch.Tensor]) -> bool:
-        """The samples and whether each one's gradient is nonzero, before the optimizer step."""
-        if not self._params(tensors):
-            return False
-        maybe = [t.grad for t in tensors]
-        gp = self.grad_ptrs
-        at = [i for i, g in enumerate(maybe) if g is not None]  # (``None in`` would compare tensors)
-        grads = [g for g in maybe if g is not None] if len(at) < self.k else cast(list[torch.Tensor], maybe)
-        if len(at) < self.k:
-            gp[:] = 0
-        # read with its parameter's dtype code: a gradient of another dtype (set through ``.data``) takes the
-        # torch path, as does one not laid out as its parameter (its shape and device are its parameter's)
-        dtypes = self._param_dtypes if len(at) == self.k else [self._param_dtypes[i] for i in at]
-        if not (
-            set(map(type, grads)) <= _PLAIN_SET
-            and [g.dtype for g in grads] == dtypes
-            and all(map(torch.Tensor.is_contiguous, grads))
-        ):
-            return False
-        if len(at) == self.k:
-            gp[:] = list(map(torch.Tensor.data_ptr, grads))
-        elif at:
-            gp[at] = list(map(torch.Tensor.data_ptr, grads))
-        lib, args = self.lib, (self.k, self.ptrs.ctypes.data, self.strides.ctypes.data, self.lens.ctypes.data)
-        lib.pp_upd_gather(*args, self.dtypes.ctypes.data, self.before.ctypes.data)
-        lib.pp_upd_nonzero(
-            self.k, gp.ctypes.data, *args[2:], self.dtypes.ctypes.data, self.intended.ctypes.data
-        )
-        return True
-
-    def classify(self, tensors: Sequence[torch.Tensor], held_bf16: bool, counts: torch.Tensor) -> bool:
-        """Add the step's updates into ``counts`` ([members, 5] int64, contiguous, on the CPU)."""
-        if not self._params(tensors):
-            return False
-        self.lib.pp_upd_classify(
-            self.k,
-            self.ptrs.ctypes.data,
-            self.strides.ctypes.data,
-            self.lens.ctypes.data,
-            self.dtypes.ctypes.data,
-            self.before.ctypes.data,
-            self.intended.ctypes.data,
-            int(held_bf16),
-            counts.data_ptr(),
-        )
-        return True
-
-    def add_sizes(self, sizes: torch.Tensor) -> None:
-        """Add the step's update sizes into ``sizes`` (``update_sizes``), the samples read again now, after the
-        step, by the pointers :meth:`classify` just read."""
-        args = (self.k, self.ptrs.ctypes.data, self.strides.ctypes.data, self.lens.ctypes.data)
-        self.lib.pp_upd_gather(*args, self.dtypes.ctypes.data, self.after.ctypes.data)
-        update_sizes.add_host(sizes, self.starts, self.before, self.after)
-
-
-def _host_kernel(device: torch.device) -> Any:
-    """The C kernel for a group on ``device``: the CPU's statistics engine is the C kernel; else None."""
-    if device.type != "cpu" or _engine.resolve_engine(None, device) != "c":
-        return None
-    return _cpu_kernel.load()
 
 
 class _DeviceGroup:
@@ -183,9 +79,10 @@ class _DeviceGroup:
         # every member's view, while the members are plain contiguous tensors on the same memory: (their data
         # pointers, the views), read with one C-level map per step instead of a Python call per member
         self._all_views: tuple[list[int], list[torch.Tensor]] | None = None
-        lib = _host_kernel(device)
-        self._host = _HostSamples(lib, members) if lib is not None else None
-        self._host_read = False  # this step's samples were read by the C kernel (``_host``)
+        self._engine = update_readers.engine(device)
+        # the in-place reader (``update_readers``): the C kernel's, or the Triton kernels' once loaded; None: torch
+        self._reader = update_readers.reader(device, members, self._engine)
+        self._reader_read = False  # this step's samples were read by ``_reader``
 
     @property
     def nbytes(self) -> int:
@@ -250,12 +147,14 @@ class _DeviceGroup:
         return torch.cat(parts) != 0
 
     def read_before(self, idle: set[int] | frozenset[int] = frozenset()) -> None:
-        """The samples and the gradients' intent, before the optimizer step: by the C kernel when it can
+        """The samples and the gradients' intent, before the optimizer step: by the in-place reader when it can
         read every member in place, by torch ops else. The members in ``idle`` (ids: their group's learning
         rate is 0 this step, the first step of a warmup from 0) intend nothing: no update is lost."""
         tensors = [ps.tensor for ps in self.members]
-        self._host_read = self._host is not None and self._host.read_before(tensors)
-        if self._host_read:
+        if self._reader is None and self._engine == "triton":  # its kernels loaded since (else None again)
+            self._reader = update_readers.reader(self.device, self.members, self._engine)
+        self._reader_read = self._reader is not None and self._reader.read_before(tensors)
+        if self._reader_read:
             self.before = self.intended = None
         else:
             self.before, self.intended = self.samples(), self.grad_nonzero()
@@ -267,9 +166,8 @@ class _DeviceGroup:
         has its gradients only once the closure ran, and may move the weights before it (SAM perturbs them),
         so the samples are those of its pre-hook and the intent this."""
         nonzero = self.grad_nonzero()
-        if self._host_read:
-            assert self._host is not None
-            self._host.intended[:] = nonzero.cpu().numpy()
+        if self._reader_read:
+            self._reader.set_intent(nonzero)
         elif self.before is not None:
             self.intended = nonzero
         self._idle(idle)
@@ -281,25 +179,21 @@ class _DeviceGroup:
         at = 0
         for ps in self.members:
             if id(ps.tensor) in idle:
-                if self._host_read:
-                    assert self._host is not None
-                    self._host.intended[at : at + ps.sample_len] = 0
+                if self._reader_read:
+                    self._reader.intended[at : at + ps.sample_len] = 0
                 elif self.intended is not None:
                     self.intended[at : at + ps.sample_len] = False
             at += ps.sample_len
 
     @torch.no_grad()
     def classify(self) -> bool:
-        if self._host_read:
-            self._host_read = False
-            host = self._host
-            assert host is not None
-            if host.classify([ps.tensor for ps in self.members], self.held_bf16, self.counts):
-                host.add_sizes(self.sizes)
+        if self._reader_read:
+            self._reader_read = False
+            tensors = [ps.tensor for ps in self.members]
+            if self._reader.classify(tensors, self.counts, self.sizes, self.held_bf16):
                 return True
             # a member can no longer be read in place (its storage replaced during the step): torch ops
-            self.before = torch.from_numpy(host.before.copy())
-            self.intended = torch.from_numpy(host.intended.astype(bool))
+            self.before, self.intended = self._reader.held()
         before, self.before = self.before, None
         intended, self.intended = self.intended, None
         if before is None or intended is None:

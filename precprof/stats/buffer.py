@@ -39,7 +39,7 @@ import torch
 
 from precprof import _compat
 from precprof.stats import blocks as _blocks
-from precprof.stats import triton_ahead, triton_compile, triton_engine, triton_launch
+from precprof.stats import triton_ahead, triton_compile, triton_engine, triton_launch, triton_updates
 from precprof.stats.engine import resolve_engine
 from precprof.stats.layout import LAYOUT, RowLayout, merge_rows
 from precprof.stats.rows import Rows
@@ -296,7 +296,7 @@ class StatsBuffer:
         it could not."""
         assert part._triton is not None
         block_dtypes = [d for d in self.dtypes if d in _BLOCK_DTYPES] if len(self.block_rows) else []
-        tasks = 4 * len(self.dtypes) + 2 * len(block_dtypes)
+        tasks = 6 * len(self.dtypes) + 2 * len(block_dtypes)  # (2 a dtype: the weight-update samples')
         tw = time.perf_counter()
         with _compile_lock(part.device, self.dtypes, bool(block_dtypes)):
             ta = time.perf_counter()
@@ -314,8 +314,10 @@ class StatsBuffer:
                 kernels = part._triton.warm(self.dtypes, load=False)
                 if block_dtypes and part._triton_blocks is not None:
                     kernels += part._triton_blocks.warm(block_dtypes, load=False)
+                kernels += triton_updates.compile_kernels(part.device, self.dtypes)
             t1 = time.perf_counter()
         triton_launch.load_kernels(kernels)
+        triton_updates.loaded(part.device, self.dtypes)
         t2 = time.perf_counter()
         part._triton.adopt_compiled()  # the row kernels launched directly from now on
         if part._triton_blocks is not None:

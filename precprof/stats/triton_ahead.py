@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from precprof._priority import LOWEST, lower_own_priority
-from precprof.stats import triton_block, triton_compile, triton_engine
+from precprof.stats import triton_block, triton_compile, triton_engine, triton_updates
 from precprof.stats.layout import RowLayout
 
 # the other process's limit: a compile of every variant took 34 s on an H200 machine's 16 cores
@@ -97,11 +97,12 @@ def compile_here(spec: Ahead) -> int:
         stages=spec.stages,
         planes=spec.planes,
     )
-    tasks = 4 * len(spec.dtypes) + 2 * len(spec.block_dtypes)
+    tasks = 6 * len(spec.dtypes) + 2 * len(spec.block_dtypes)
     with triton_compile.parallel_compile(tasks):
         kernels = rows.warm(spec.dtypes, load=False)
         if spec.block_dtypes:
             kernels += triton_block.compile_kernels(cpu, spec.block_dtypes, spec.recipes)
+        kernels += triton_updates.compile_kernels(cpu, spec.dtypes)  # (the weight-update samples')
     return len([k.result() if hasattr(k, "result") else k for k in kernels])
 
 
@@ -127,6 +128,7 @@ def done_marker(spec: Ahead) -> Path | None:
         "triton_finish.py",
         "triton_block_kernels.py",
         "triton_block.py",
+        "triton_update_kernels.py",
     ):
         h.update(Path(__file__).with_name(name).read_bytes())
     return Path(cache) / "precprof-ahead" / f"{h.hexdigest()[:32]}.done"
