@@ -1,8 +1,10 @@
 """What the statistics kernels compile to for a GPU, without a GPU: registers, spills and each loop's SASS.
 
 Between GPU sessions the instructions a kernel's loops execute per value are the guide to its speed. This
-compiles the row kernels (``triton_kernels._rows``, and ``_rows_many``: up to 16 tensors a launch) and the block kernel (``triton_block_kernels._blocks``)
-exactly as the Profiler's warm-up does (``TritonRows.warm``, ``triton_block._compile``), for sm_90 by default,
+compiles the row kernels (``triton_kernels._rows``, and ``_rows_many``: up to 16 tensors a launch), the block
+kernel (``triton_block_kernels._blocks``) and the weight-update samples' two (``triton_update_kernels``)
+exactly as the Profiler's warm-up does (``TritonRows.warm``, ``triton_block._compile``,
+``triton_updates.compile_kernels``), for sm_90 by default,
 through the driver ``triton_ahead`` uses to compile for a GPU it does not have, and reads the binaries with the
 disassembler Triton ships. Per kernel: registers, local memory (spills), shared memory, the instructions of
 the whole kernel, and per loop (a backward branch and what it jumps over, innermost first) its instructions
@@ -35,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from precprof.stats import blocks, triton_ahead, triton_block, triton_engine  # noqa: E402
+from precprof.stats import blocks, triton_ahead, triton_block, triton_engine, triton_updates  # noqa: E402
 from precprof.stats.layout import LAYOUT  # noqa: E402
 
 TELLING = (
@@ -138,6 +140,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "capability": args.capability,
         "rows": [],
         "blocks": [],
+        "updates": [],
     }
     # (block, warps, rare after, stages, planes, registers bound): tl.histogram's shapes, then the bit planes'
     # (the default), and the planes under a bound (more programs a multiprocessor: gpu_validate's ROW_SHAPES)
@@ -203,6 +206,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             out["blocks"].append(rec)
             print(
                 f"blocks {dtype} (registers bound {rec['max_registers']}): {rec['reg']} registers, "
+                f"loops {[lp['instructions'] for lp in rec['loops']]}"
+            )
+    # the weight-update samples' two kernels (one program a parameter, its 256 samples one block), per dtype
+    for dtype in triton_updates.DTYPES:
+        read, classify = triton_updates.compile_kernels(cpu, [dtype])
+        for name, kernel in (("_read", read), ("_classify", classify)):
+            rec = analyse(_cubin(kernel))
+            rec.update(kernel=name, dtype=str(dtype).removeprefix("torch."), block=triton_updates.BLOCK)
+            out["updates"].append(rec)
+            print(
+                f"updates {name} {dtype}: {rec['reg']} registers, {rec['instructions']} instructions, "
                 f"loops {[lp['instructions'] for lp in rec['loops']]}"
             )
     if args.out:
