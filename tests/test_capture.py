@@ -19,6 +19,8 @@ from precprof import tables as T
 from precprof.capture.grad_reads import UNSCALED_UNREAD
 from precprof.capture.records import sample_stride
 from precprof.report import environment
+from precprof.stats import kernel as cpu_kernel
+from precprof.stats import triton_engine
 
 
 def _hooks_left(model: nn.Module) -> list[str]:
@@ -1827,18 +1829,35 @@ def test_gradients_assigned_outside_autograd_and_unscaled_before_the_step_are_sk
     assert {s["reason"] for s in skipped} == {UNSCALED_UNREAD}
 
 
-def test_a_closure_steps_updates_are_judged_by_its_own_gradients() -> None:
+# the engines whose readers take the weight-update samples: the torch path, the C kernel's, the Triton
+# kernels' in Triton's interpreter (``capture/update_readers.py``)
+UPDATE_ENGINES = [
+    "torch",
+    *(["c"] if cpu_kernel.load() is not None else []),
+    *(
+        ["triton"]
+        if triton_engine.interpreting() and triton_engine.unavailable(torch.device("cpu")) is None
+        else []
+    ),
+]
+
+
+@pytest.mark.parametrize("engine", UPDATE_ENGINES)
+def test_a_closure_steps_updates_are_judged_by_its_own_gradients(
+    engine: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``optimizer.step(closure)`` (Lightning's automatic optimization): the step's pre-hook runs before the
     closure's forward and backward, and the updates' intent was read from the gradients there, the previous
     step's: with an embedding whose looked-up rows change each step, lost-in-bf16 counts of 119 where 31 were
     true, and a skipped batch counted 100% lost. The intent is read once the closure has run. Truth: the
     weights before and after each step and the gradients the closure made, with a real bf16 cast."""
+    monkeypatch.setenv("PRECPROF_STATS_ENGINE", engine)
     torch.manual_seed(0)
     model = nn.Embedding(64, 4)  # 256 elements: every one sampled
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     g = torch.Generator().manual_seed(1)
     truth: list[tuple[int, int]] = []
-    with precprof.Profiler(model, optimizer=opt, sample_every=1, memory=False) as prof:
+    with precprof.Profiler(model, optimizer=opt, sample_every=1, memory=False, compile_beside=False) as prof:
         for step in range(4):
             ids = torch.randint(32 * (step % 2), 32 * (step % 2) + 32, (8, 4), generator=g)
             seen: dict[str, torch.Tensor] = {}
@@ -1864,15 +1883,17 @@ def test_a_closure_steps_updates_are_judged_by_its_own_gradients() -> None:
     assert len({t[0] for t in truth}) > 1  # the intent changed from step to step
 
 
-def test_an_update_with_learning_rate_zero_is_not_lost() -> None:
+@pytest.mark.parametrize("engine", UPDATE_ENGINES)
+def test_an_update_with_learning_rate_zero_is_not_lost(engine: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The first step of a warmup from 0 (``get_linear_schedule_with_warmup``) moves nothing, in fp32 as in
     bf16: every element was counted lost in bf16 and in fp16 (6.5% against 1.5% over a 20-step run), around
     the threshold that decides whether the fp16 finding shows. A step at lr 0 intends no update."""
+    monkeypatch.setenv("PRECPROF_STATS_ENGINE", engine)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, s / 4))
-    with precprof.Profiler(model, optimizer=opt, sample_every=1, memory=False) as prof:
+    with precprof.Profiler(model, optimizer=opt, sample_every=1, memory=False, compile_beside=False) as prof:
         for _ in range(3):
             model(torch.randn(8, 16)).square().mean().backward()
             opt.step()

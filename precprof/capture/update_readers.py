@@ -21,6 +21,7 @@ import torch
 
 from precprof.capture import update_sizes
 from precprof.capture.records import _ParamSlot
+from precprof.errors import UserError
 from precprof.stats import engine as _engine
 from precprof.stats import kernel as _cpu_kernel
 from precprof.stats import triton_updates
@@ -31,8 +32,12 @@ _HOST_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # kernel
 
 
 def engine(device: torch.device) -> str:
-    """The statistics engine of ``device``, whose reader a group there uses: "c", "triton" or "torch"."""
-    return _engine.resolve_engine(None, device)
+    """The statistics engine of ``device``, whose reader a group there uses: "c", "triton" or "torch" (also
+    where the engine asked for cannot run there: the statistics say so at attach; the samples need no engine)."""
+    try:
+        return _engine.resolve_engine(None, device)
+    except UserError:
+        return "torch"
 
 
 def reader(device: torch.device, members: list[_ParamSlot], name: str) -> Any:
