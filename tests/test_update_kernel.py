@@ -8,11 +8,14 @@ updates' sizes (``update_sizes``) too: the same within float64's rounding of the
 from __future__ import annotations
 
 import math
+from collections import Counter
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from precprof.capture import update_readers
 from precprof.capture.records import _ParamSlot
@@ -262,6 +265,82 @@ def test_a_parameter_the_kernel_cannot_read_in_place_takes_the_torch_path(reader
 
     for case in ("plain", "transposed weight", "transposed gradient", "bf16 gradient", "new storage"):
         _same(step(case, reader), step(case, None))
+
+
+class _Ops(TorchDispatchMode):
+    """The torch ops dispatched inside it, but those of a Triton launch (the interpreter's own copies of its
+    arguments), and the launches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+        self.launches: list[str] = []
+        self.launching = False
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if not self.launching:
+            self.ops[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+    def spy(self, kernels: Any) -> Any:
+        """``kernels`` (the kernels' module) with each launch of ``_read`` and ``_classify`` counted."""
+        ops = self
+
+        class Launch:
+            def __init__(self, name: str) -> None:
+                self.name, self.kernel = name, getattr(kernels, name)
+
+            def __getitem__(self, grid: Any) -> Any:
+                def run(*args: Any, **kw: Any) -> Any:
+                    ops.launches.append(self.name)
+                    ops.launching = True
+                    try:
+                        return self.kernel[grid](*args, **kw)
+                    finally:
+                        ops.launching = False
+
+                return run
+
+        class Spied:
+            _read, _classify = Launch("_read"), Launch("_classify")
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(kernels, name)
+
+        return Spied()
+
+
+@pytest.mark.parametrize("reader", [p for p in READERS if p.values == ("triton",)])
+def test_a_sampled_steps_updates_take_two_launches_and_a_few_ops_whatever_the_parameters(reader: str) -> None:
+    """The torch path's ops grow with the parameters (a view of each one's gradient, made in Python, every step:
+    245 dispatcher ops for GPT-2 small's 148 parameters, 148 of them those views); the Triton reader's are two
+    launches and the table's upload, for 3 parameters as for 60."""
+    seen = []
+    for n in (3, 60):
+        params = [nn.Parameter(torch.randn(7, 5)) for _ in range(n)]
+        slots = [_ParamSlot("m", f"p{i}", p, -1, -1) for i, p in enumerate(params)]
+        sampler = UpdateSampler(slots, 16, CPU)
+        (group,) = sampler._groups
+        _use(group, reader)
+        ops = _Ops()
+        group._reader._kernels = ops.spy(group._reader._kernels)
+        for _ in range(2):  # the second step: new gradients, as ``zero_grad(set_to_none=True)`` leaves
+            for p in params:
+                p.grad = torch.randn_like(p)
+            ops.ops.clear()
+            ops.launches.clear()
+            with ops:
+                sampler.before_step()
+                with torch.no_grad():
+                    for p in params:
+                        p.add_(1.0)
+                assert sampler.after_step()
+        assert ops.launches == ["_read", "_classify"]
+        seen.append(sum(ops.ops.values()) - n)  # (less the test's own adds)
+        # (both steps counted: every sampled weight moved, and meant to)
+        assert group.counts[:, 0].tolist() == [2 * ps.sample_len for ps in slots]
+        assert int(group.counts[:, 1].sum()) == 0
+    assert seen[0] == seen[1] and seen[0] <= 10, seen
 
 
 @pytest.mark.gpu
