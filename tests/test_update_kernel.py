@@ -343,6 +343,36 @@ def test_a_sampled_steps_updates_take_two_launches_and_a_few_ops_whatever_the_pa
     assert seen[0] == seen[1] and seen[0] <= 10, seen
 
 
+def test_a_failed_compile_of_the_update_kernels_leaves_the_samples_to_torch_ops_and_says_why(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The two kernels compile beside the row kernels; another Triton that refuses their code (what this
+    machine's cannot show: it is made to raise) must cost the samples their launches, never the rows their
+    compile: ``warm`` gives None, nothing is ready, the summary's launch line says why; a later warm that
+    compiles clears it."""
+    dev = torch.device("cuda", 7)  # a device's name: nothing runs on it
+    monkeypatch.setattr(triton_updates, "_READY", set())
+    monkeypatch.setattr(triton_updates, "_ERRORS", {})
+    monkeypatch.setattr(triton_updates, "interpreting", lambda: False)  # (as on a GPU)
+    monkeypatch.setattr(triton_updates, "triton_missing", lambda: None)
+
+    def refuse(device: torch.device, dtypes: object) -> list[object]:
+        raise RuntimeError("at 12:8: unsupported cast\n  line two of the compiler's message")
+
+    monkeypatch.setattr(triton_updates, "compile_kernels", refuse)
+    got = triton_updates.warm(dev, [torch.float32])
+    assert got is None
+    triton_updates.load(dev, [torch.float32], got)
+    assert not triton_updates.ready(dev, torch.float32)
+    said = triton_updates.status(dev)
+    assert said == "torch ops (the Triton kernels did not compile: RuntimeError: at 12:8: unsupported cast)"
+    monkeypatch.setattr(triton_updates, "compile_kernels", lambda device, dtypes: [])
+    triton_updates.load(dev, [torch.float32], triton_updates.warm(dev, [torch.float32]))
+    assert triton_updates.ready(dev, torch.float32) and not triton_updates.ready(dev, torch.bfloat16)
+    assert triton_updates.status(dev) == "two Triton launches a step"
+    assert triton_updates.status(torch.device("cuda", 6)) == "torch ops until the Triton kernels are loaded"
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))

@@ -314,10 +314,10 @@ class StatsBuffer:
                 kernels = part._triton.warm(self.dtypes, load=False)
                 if block_dtypes and part._triton_blocks is not None:
                     kernels += part._triton_blocks.warm(block_dtypes, load=False)
-                kernels += triton_updates.compile_kernels(part.device, self.dtypes)
+                updates = triton_updates.warm(part.device, self.dtypes)  # (the weight-update samples')
             t1 = time.perf_counter()
         triton_launch.load_kernels(kernels)
-        triton_updates.loaded(part.device, self.dtypes)
+        triton_updates.load(part.device, self.dtypes, updates)
         t2 = time.perf_counter()
         part._triton.adopt_compiled()  # the row kernels launched directly from now on
         if part._triton_blocks is not None:
@@ -351,6 +351,7 @@ class StatsBuffer:
         return {
             str(d): p._triton.direct_status
             + (f"; block what-if: {p._triton_blocks.direct_status}" if p._triton_blocks is not None else "")
+            + f"; weight-update samples: {triton_updates.status(d)}"
             for d, p in self._parts.items()
             if isinstance(p, DeviceRows) and p._triton is not None
         }

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from precprof.stats import triton_launch
 from precprof.stats.triton_engine import interpreting, triton_missing
 
 # the dtypes a member may have (one per group and launch): fp32, bf16, fp16
@@ -39,8 +40,9 @@ NUM_WARPS = 2
 PARAM, GRAD, STRIDE, LEN, START = range(5)
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
-# (device, dtype) whose kernels are compiled and loaded (``loaded``)
+# (device, dtype) whose kernels are compiled and loaded (``loaded``); per device, why its compile failed
 _READY: set[tuple[torch.device, torch.dtype]] = set()
+_ERRORS: dict[torch.device, str] = {}
 _READY_LOCK = threading.Lock()
 
 
@@ -74,6 +76,41 @@ def compile_kernels(device: torch.device, dtypes: Iterable[torch.dtype]) -> list
         out.append(kernels._read.run(*read_args, grid=(1,), warmup=True, **const))
         out.append(kernels._classify.run(*classify_args, grid=(1,), warmup=True, **const))
     return out
+
+
+def warm(device: torch.device, dtypes: Iterable[torch.dtype]) -> list[Any] | None:
+    """``compile_kernels`` for the Profiler's warm-up, which compiles the row kernels beside: a failure here
+    (another Triton's language) leaves the samples to torch ops (None; ``status`` says why) and the row
+    kernels' compile alone."""
+    try:
+        return compile_kernels(device, dtypes)
+    except Exception as e:  # (the samples keep their torch path)
+        _ERRORS[device] = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+        return None
+
+
+def load(device: torch.device, dtypes: Iterable[torch.dtype], kernels: list[Any] | None) -> None:
+    """Load ``warm``'s kernels (their compiles done) and mark them ready; a failure is kept (``status``)."""
+    if kernels is None:
+        return
+    try:
+        triton_launch.load_kernels(kernels)
+    except Exception as e:  # (as in ``warm``)
+        _ERRORS[device] = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+        return
+    _ERRORS.pop(device, None)
+    loaded(device, dtypes)
+
+
+def status(device: torch.device) -> str:
+    """How a group's samples on ``device`` are read by these kernels, in words (the summary's launches)."""
+    if interpreting():
+        return "two Triton launches a step (the interpreter)"
+    if device in _ERRORS:
+        return f"torch ops (the Triton kernels did not compile: {_ERRORS[device]})"
+    if any(d == device for d, _ in _READY):
+        return "two Triton launches a step"
+    return "torch ops until the Triton kernels are loaded"
 
 
 def loaded(device: torch.device, dtypes: Iterable[torch.dtype]) -> None:
