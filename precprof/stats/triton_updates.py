@@ -1,9 +1,9 @@
 """The weight-update samples of a CUDA device group in two Triton launches (``capture/updates.py``'s arithmetic).
 
 The torch path reads a group's samples with one strided view per parameter, one concatenation and one cast, the
-gradients' samples the same way, and classifies the updates in some 40 more ops: about 300 torch ops a sampled
-step for GPT-2 small's 148 parameters, 200 of them views made in Python, and on an H200 the optimizer's range
-4.9 ms longer on the device (bench/results/README_h200_2026-12-04.md). Here the parameters and their gradients
+gradients' samples the same way, and classifies the updates in some 40 more ops: 245 dispatcher ops a sampled
+step for GPT-2 small's 148 parameters, 148 of them the gradients' views made in Python every step, and on an
+H200 the optimizer's range 4.9 ms longer on the device (bench/results/README_h200_2026-12-04.md). Here the parameters and their gradients
 are read by their addresses from a table (one int64 column per member: parameter, gradient or 0, stride, sample
 length, where its samples begin), one program per member:
 
