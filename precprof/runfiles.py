@@ -471,6 +471,7 @@ def read_run(run_dir: str | Path, *, categorical: bool = False, histogram_totals
         totals = found if found is not None else totals
     if histogram_totals and totals is None:
         totals = sum_histograms(None)
+    _release_arrow_memory()
     steps = out["steps"]
     restarts = sorted({int(s) for s in steps[STEP][flags(steps[RESUMED])]}) if not steps.empty else []
     return RunTables(out, restarts=restarts, histogram_totals=totals)
@@ -595,6 +596,14 @@ def _to_pandas(table: pa.Table, categorical: tuple[str, ...] = ()) -> pd.DataFra
     return df
 
 
+def _release_arrow_memory() -> None:
+    """Hand the memory Arrow's pool freed back to the system: reading a run's parts keeps what Arrow read them
+    into, freed once the tables are in pandas, in the pool (mimalloc's), where nothing but Arrow reuses it. A
+    24-layer model's 400 sampled steps (500K layer rows, 5.9M histogram rows) read to 2,048 MB of RSS, 813 MB
+    of it that; the end of a run then analysed its tables on top of it (3.6 GB at its peak)."""
+    pa.default_memory_pool().release_unused()
+
+
 def _read_stream(
     run_dir: Path, cats: Mapping[str, tuple[str, ...]], histogram_totals: bool = False
 ) -> RunTables:
@@ -604,7 +613,7 @@ def _read_stream(
     out: dict[str, pd.DataFrame] = {}
     totals = None
     for name in TABLES:
-        t = parts.concat(read.tables[name])
+        t = parts.concat(read.tables.pop(name))  # (each table's Arrow data let go once it is in pandas)
         if name == "histograms" and histogram_totals:
             out[name] = empty(name)
             totals = sum_histograms(t)
@@ -612,6 +621,8 @@ def _read_stream(
         out[name] = (
             frame(name, _to_pandas(t, cats.get(name, ()))) if t is not None and t.num_rows else empty(name)
         )
+        del t
+    _release_arrow_memory()
     restarts = [s.start for s in read.segments[1:]]
     steps = out["steps"]
     if not steps.empty:
