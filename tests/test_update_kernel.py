@@ -22,6 +22,7 @@ from precprof.capture.records import _ParamSlot
 from precprof.capture.updates import UpdateSampler, _DeviceGroup
 from precprof.stats import kernel as cpu_kernel
 from precprof.stats import triton_engine, triton_launch, triton_updates
+from precprof.stats.engine import ENGINE_ENV
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 CPU = torch.device("cpu")
@@ -341,6 +342,28 @@ def test_a_sampled_steps_updates_take_two_launches_and_a_few_ops_whatever_the_pa
         assert group.counts[:, 0].tolist() == [2 * ps.sample_len for ps in slots]
         assert int(group.counts[:, 1].sum()) == 0
     assert seen[0] == seen[1] and seen[0] <= 10, seen
+
+
+@pytest.mark.parametrize("reader", [p for p in READERS if p.values == ("triton",)])
+def test_a_group_the_triton_kernels_cannot_read_takes_torch_ops_for_good(
+    reader: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under the Triton engine, a group of fp32 and fp16 weights (one group: neither is bf16) or of float64
+    ones has no kernel to launch: its engine is "torch" from the start, so it never asks again at each sampled
+    step whether the kernels are loaded; a group of one dtype the kernels read is Triton's, and reads by them."""
+    monkeypatch.setenv(ENGINE_ENV, reader)
+
+    def group(*dtypes: torch.dtype) -> _DeviceGroup:
+        params = [nn.Parameter(torch.randn(6, 4, dtype=d)) for d in dtypes]
+        sampler = UpdateSampler([_ParamSlot("m", f"p{i}", p, -1, -1) for i, p in enumerate(params)], 8, CPU)
+        (g,) = sampler._groups
+        return g
+
+    for dtypes in ((torch.float32, torch.float16), (torch.float64,)):
+        g = group(*dtypes)
+        assert (g._engine, g._reader) == ("torch", None), dtypes
+    g = group(torch.float16, torch.float16)
+    assert g._engine == "triton" and isinstance(g._reader, triton_updates.TritonSamples)
 
 
 def test_a_failed_compile_of_the_update_kernels_leaves_the_samples_to_torch_ops_and_says_why(

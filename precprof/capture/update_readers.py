@@ -26,18 +26,25 @@ from precprof.stats import engine as _engine
 from precprof.stats import kernel as _cpu_kernel
 from precprof.stats import triton_updates
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # (``updates`` reads these two too)
 _PLAIN_SET = frozenset(_PLAIN)
 _HOST_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # kernel.c's pp_upd_* dtype codes
 
 
-def engine(device: torch.device) -> str:
-    """The statistics engine of ``device``, whose reader a group there uses: "c", "triton" or "torch" (also
-    where the engine asked for cannot run there: the statistics say so at attach; the samples need no engine)."""
+def engine(device: torch.device, members: list[_ParamSlot]) -> str:
+    """The statistics engine of ``device`` whose reader a group of ``members`` there uses: "c", "triton" or
+    "torch". "torch" too where the engine asked for cannot run there (the statistics say so at attach; the
+    samples need no engine), and for Triton where the members are of two dtypes or of one its kernels do not
+    read: a group that can never launch them does not ask again whether they are loaded at every sampled step."""
     try:
-        return _engine.resolve_engine(None, device)
+        name = _engine.resolve_engine(None, device)
     except UserError:
         return "torch"
+    if name == "triton":
+        dtypes = {ps.tensor.dtype for ps in members}
+        if len(dtypes) != 1 or not dtypes <= set(triton_updates.DTYPES):
+            return "torch"
+    return name
 
 
 def reader(device: torch.device, members: list[_ParamSlot], name: str) -> Any:

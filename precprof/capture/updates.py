@@ -42,8 +42,7 @@ from precprof.capture.records import _local, _ParamSlot, sample_stride
 from precprof.capture.storage import dtype_name
 from precprof.stats.buffer import unreadable
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
-_PLAIN_SET = frozenset(_PLAIN)
+_PLAIN, _PLAIN_SET = update_readers._PLAIN, update_readers._PLAIN_SET
 
 
 def _sampled_in_place(t: torch.Tensor) -> bool:
@@ -79,7 +78,7 @@ class _DeviceGroup:
         # every member's view, while the members are plain contiguous tensors on the same memory: (their data
         # pointers, the views), read with one C-level map per step instead of a Python call per member
         self._all_views: tuple[list[int], list[torch.Tensor]] | None = None
-        self._engine = update_readers.engine(device)
+        self._engine = update_readers.engine(device, members)
         # the in-place reader (``update_readers``): the C kernel's, or the Triton kernels' once loaded; None: torch
         self._reader = update_readers.reader(device, members, self._engine)
         self._reader_read = False  # this step's samples were read by ``_reader``
