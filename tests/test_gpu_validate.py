@@ -52,6 +52,8 @@ def test_the_dry_run_exercises_every_stage(tmp_path: Path) -> None:
     for name in ("syncs", "compile"):
         assert stages[name]["status"] == "skipped" and "CUDA" in stages[name]["reason"]
     assert stages["profile"]["cpu_top"] and "cumulative" in stages["profile"]["cprofile_cumulative"]
+    memory_step = stages["profile"]["memory_step"]  # a step the tracker was told to measure, profiled
+    assert memory_step["measured"] and "function calls" in memory_step["cprofile_cumulative"]
     assert len(stages["env"]["source_sha256"]) == 64
     files = stages["tests"]["files"]
     assert "test_stats_gpu.py" in files and "test_triton_block.py" in files
@@ -70,6 +72,10 @@ def test_the_dry_run_exercises_every_stage(tmp_path: Path) -> None:
     assert first["worst_first_step_over_plain"] > 0  # against the "plain" run, without precprof
     host = stages["host"]["host_cost"]
     assert host["inspected_tensors_per_sampled_step"] > 0 and host["host_us_per_tensor"] is not None
+    assert (
+        host["cprofile"]["config"] == "memory each" and "memory_tracker.py" in host["cprofile"]["cumulative"]
+    )
+    assert all(isinstance(r["gc"], dict) for r in host["results"].values())
     results = stages["overhead"]["overhead"]["results"]
     assert set(results) == {"baseline", "precprof_1", "precprof_10", "precprof_auto"}
     assert results["precprof_10"]["phases"]["sampled"]["profiler_step_host_s"] >= 0

@@ -4,6 +4,7 @@ in one part, the process's peak counters untouched, NVML, no host sync."""
 from __future__ import annotations
 
 import gc
+import inspect
 from typing import Any
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from precprof import _compat
 from precprof import tables as T
 from precprof.capture.memory_tracker import MemoryTracker
 
@@ -53,7 +55,7 @@ def total(rows: list[dict[str, Any]], component: str, phase: str | None = None, 
     )
 
 
-def test_allocator_peaks_are_the_allocators_and_the_parts_add_up() -> None:
+def test_allocator_peaks_are_the_allocators_and_the_parts_add_up(monkeypatch: pytest.MonkeyPatch) -> None:
     model = model_on_gpu()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     tr = MemoryTracker(model, opt)
@@ -61,10 +63,24 @@ def test_allocator_peaks_are_the_allocators_and_the_parts_add_up() -> None:
     step(model, opt, tr, 0)  # the optimizer's states exist from here on
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()  # this test owns the process: the counter spans exactly one step
+    actions: set[str] = set()
+    snapshot = _compat.cuda_snapshot
+
+    def seen() -> dict[str, Any]:
+        snap = snapshot()
+        actions.update(str(e["action"]) for trace in snap["device_traces"] for e in trace)
+        return snap
+
+    monkeypatch.setattr(_compat, "cuda_snapshot", seen)
     rows = step(model, opt, tr, 1)
     torch.cuda.synchronize()
     tr.detach()
     assert tr.peak_note == ""
+    # the history holds what the replay reads, without a free's completion (_compat.HISTORY_SKIPPED) where torch
+    # can leave actions out (2.9 on)
+    assert {"alloc", "free_requested"} <= actions, actions
+    if "skip_actions" in inspect.signature(torch.cuda.memory._record_memory_history).parameters:
+        assert not actions & set(_compat.HISTORY_SKIPPED), actions
     peaks = {r[T.PHASE]: r[T.BYTES] for r in rows if r[T.COMPONENT] == T.ALLOCATOR_PEAK}
     reserved = {r[T.PHASE]: r[T.BYTES] for r in rows if r[T.COMPONENT] == T.ALLOCATOR_RESERVED_PEAK}
     assert (

@@ -63,13 +63,14 @@ class FakeCudaAllocator:
         self.cached: dict[int, list[int]] = {}  # size -> freed addresses
         self.next_addr = 1 << 32
         self.history = False
+        self.skipped: tuple[str, ...] = ()  # the actions the history was told to leave out (skip_actions)
         self.trace: list[
             tuple[str, int, int]
         ] = []  # (action, address, bytes): dicts when read, as torch makes
         self.resets: list[Any] = []
 
     def _record(self, action: str, addr: int, size: int) -> None:
-        if self.history:
+        if self.history and action not in self.skipped:
             self.trace.append((action, addr, size))
 
     def malloc(self, nbytes: int) -> int:
@@ -139,6 +140,7 @@ class FakeCudaAllocator:
 
     def record_memory_history(self, enabled: Any = "all", *args: Any, **kwargs: Any) -> None:
         self.history = enabled not in (None, False)
+        self.skipped = tuple(kwargs.get("skip_actions") or ()) if self.history else ()
         if not self.history:
             self.trace.clear()
 
@@ -300,6 +302,44 @@ def test_a_profiled_loop_reads_the_peak_an_unprofiled_one_reads(monkeypatch: pyt
         (T.ALLOCATOR_CACHE, ""): FakeCudaAllocator.SEGMENT - peaks[T.PHASE_BACKWARD],
     }
     assert sum(parts.values()) - parts[(T.ALLOCATOR_CACHE, "")] == peaks[T.PHASE_BACKWARD]
+
+
+def test_the_history_leaves_out_the_actions_the_replay_does_not_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The history is recorded without a free's completion (``_compat.HISTORY_SKIPPED``): a third fewer entries
+    to convert and read, the same peaks as a torch that records every action (before ``skip_actions``)."""
+    assert "free_completed" in _compat.HISTORY_SKIPPED and "free_requested" not in _compat.HISTORY_SKIPPED
+
+    def run(old_torch: bool) -> tuple[list[set[str]], list[dict[str, Any]]]:
+        dev = FakeCudaAllocator()
+        dev.install(monkeypatch)
+        if old_torch:  # torch 2.8's signature: no skip_actions
+
+            def record(
+                enabled: Any = "all", context: Any = "all", stacks: str = "all", max_entries: int = 0
+            ) -> None:
+                dev.record_memory_history(enabled)
+
+            monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", record)
+        actions: list[set[str]] = []
+
+        def snapshot(*args: Any, **kwargs: Any) -> dict[str, Any]:
+            snap = dev.snapshot()
+            actions.append({e["action"] for e in snap["device_traces"][0]})
+            return snap
+
+        monkeypatch.setattr(torch.cuda.memory, "_snapshot", snapshot)
+        _, rows, tr = device_loop(dev, 3, tracker=True)
+        assert tr is not None and tr.peak_note == ""
+        return actions, rows
+
+    actions, rows = run(old_torch=False)
+    assert len(actions) == 3
+    assert all(
+        {"alloc", "free_requested"} <= a <= {"alloc", "free_requested", "segment_alloc"} for a in actions
+    )
+    old_actions, old_rows = run(old_torch=True)
+    assert all("free_completed" in a for a in old_actions)
+    assert old_rows == rows  # every row, the peaks and the parts at the peak among them
 
 
 def test_a_program_that_records_the_allocator_history_itself_is_left_alone(
