@@ -613,7 +613,7 @@ def cuda_record_history(on: bool, max_entries: int) -> None:
                 max_entries=max_entries,
                 skip_actions=list(HISTORY_SKIPPED),
             )
-        except TypeError:  # a torch before skip_actions (2.8 and older): every action
+        except TypeError:  # an older torch, without skip_actions (2.11 has it): every action
             record("all", context=None, stacks="python", max_entries=max_entries)
     else:
         torch.cuda.memory._record_memory_history(None)

@@ -77,7 +77,7 @@ def test_allocator_peaks_are_the_allocators_and_the_parts_add_up(monkeypatch: py
     tr.detach()
     assert tr.peak_note == ""
     # the history holds what the replay reads, without a free's completion (_compat.HISTORY_SKIPPED) where torch
-    # can leave actions out (2.9 on)
+    # can leave actions out (skip_actions: 2.11 has it)
     assert {"alloc", "free_requested"} <= actions, actions
     if "skip_actions" in inspect.signature(torch.cuda.memory._record_memory_history).parameters:
         assert not actions & set(_compat.HISTORY_SKIPPED), actions

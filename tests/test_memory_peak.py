@@ -312,7 +312,7 @@ def test_the_history_leaves_out_the_actions_the_replay_does_not_read(monkeypatch
     def run(old_torch: bool) -> tuple[list[set[str]], list[dict[str, Any]]]:
         dev = FakeCudaAllocator()
         dev.install(monkeypatch)
-        if old_torch:  # torch 2.8's signature: no skip_actions
+        if old_torch:  # an older torch's signature: no skip_actions
 
             def record(
                 enabled: Any = "all", context: Any = "all", stacks: str = "all", max_entries: int = 0
