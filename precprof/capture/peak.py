@@ -171,13 +171,14 @@ class CudaHistory:
             return None, f"more than {MAX_HISTORY_ENTRIES} allocator events in the step"
         ev = Events()
         kinds, ptrs, sizes = ev.kinds, ev.ptrs, ev.sizes
-        for e in trace:
-            kind = _CUDA_ACTIONS.get(str(e.get("action")))
+        action_of = _CUDA_ACTIONS.get
+        for e in trace:  # (a few thousand entries a step: block_bytes inlined)
+            kind = action_of(e.get("action"))
             if kind is not None:
                 kinds.append(kind)
                 ptrs.append(int(e.get("addr", 0)))
                 size = int(e.get("size", 0))
-                sizes.append(size if kind >= SEGMENT_ALLOC else block_bytes(size))
+                sizes.append(size if kind >= SEGMENT_ALLOC else (((size + 511) >> 9) << 9) or 512)
         # the blocks and segments held now, walked back through the history: those held when the step began
         live: dict[int, int] = {}
         reserved = 0

@@ -331,27 +331,36 @@ def _tensors_in(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
             yield from _tensors_in(v, depth + 1)
 
 
-def _held_tensors(obj: Any, memo: set[int] | None = None, depth: int = 0) -> Iterator[torch.Tensor]:
+def _held_tensors(obj: Any) -> Iterator[torch.Tensor]:
     """Tensors an object holds in its attributes, containers and their attributes, a few levels deep, each
-    object once (precprof's own statistics buffers and scratch). Modules are not entered."""
-    memo = set() if memo is None else memo
-    if id(obj) in memo or isinstance(obj, nn.Module) or depth > 4:
-        return
-    memo.add(id(obj))
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, Mapping):
-        for v in obj.values():
-            yield from _held_tensors(v, memo, depth + 1)
-    elif isinstance(obj, (list, tuple, set, frozenset)):
-        for v in obj:
-            yield from _held_tensors(v, memo, depth + 1)
-    elif hasattr(obj, "__dict__") and not isinstance(obj, type):
-        for v in vars(obj).values():
-            yield from _held_tensors(v, memo, depth + 1)
-    elif hasattr(obj, "__slots__"):
-        for name in getattr(type(obj), "__slots__", ()):
-            yield from _held_tensors(getattr(obj, name, None), memo, depth + 1)
+    object once, depth first (precprof's own statistics buffers and scratch). Modules are not entered. One loop
+    over a stack rather than a generator per object: read at the end of every step that measures memory, where
+    the recursive walk of a 100-layer stack's buffers (some 700 objects) took 1.1 ms on the project's CPU."""
+    memo: set[int] = set()
+    stack: list[tuple[Any, int]] = [(obj, 0)]
+    while stack:
+        o, depth = stack.pop()
+        if type(o) in _LEAVES or depth > 4 or id(o) in memo or isinstance(o, nn.Module):
+            continue
+        memo.add(id(o))
+        if isinstance(o, torch.Tensor):
+            yield o
+            continue
+        if isinstance(o, Mapping):
+            inside: list[Any] = list(o.values())
+        elif isinstance(o, (list, tuple, set, frozenset)):
+            inside = list(o)
+        elif hasattr(o, "__dict__") and not isinstance(o, type):
+            inside = list(vars(o).values())
+        elif hasattr(o, "__slots__"):
+            inside = [getattr(o, name, None) for name in getattr(type(o), "__slots__", ())]
+        else:
+            continue
+        stack.extend((v, depth + 1) for v in reversed(inside))  # (the first attribute walked first)
+
+
+# what ``_held_tensors`` need not look into: no tensor is inside
+_LEAVES = frozenset({int, float, bool, str, bytes, type(None), torch.device, torch.dtype})
 
 
 # grad_fn names of pure views between a saved tensor and the cast that made it.
