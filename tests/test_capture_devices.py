@@ -670,3 +670,74 @@ def test_nested_tensors_are_read_as_their_elements_and_training_goes_on(layout: 
             prof.step(loss=loss.detach())
     a_input = prof.tables()["layers"].query("module == 'a:input' and step == 0")
     assert list(a_input["numel"]) == [10 * 8] and prof.summary()["skipped_tensors"] == []
+
+
+class _PassThrough(nn.Module):
+    """A residual block as nanoGPT's at ``dropout=0.0``: the projection's output passes through a dropout that
+    returns it (the same tensor), then an identity, and so does its gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.drop = nn.Dropout(0.0)
+        self.same = nn.Identity()
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(x + self.same(self.drop(self.fc(x))))
+
+
+def test_a_module_returning_its_input_gets_its_rows_without_a_second_read(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The device rows (CUDA's; Triton's interpreter here) copy the row of a tensor read a moment before into the
+    row of a module that returned it unchanged (``nn.Dropout(p=0)``, ``nn.Identity``) and of its gradient,
+    where they read it again before: the layer rows equal the C kernel's, which merges such a read on the CPU,
+    with two reads fewer per pass-through module and sampled step."""
+    from precprof.stats import rows_device, triton_engine
+
+    if triton_engine.unavailable(torch.device("cpu")) is not None:
+        pytest.skip(str(triton_engine.unavailable(torch.device("cpu"))))
+    reads = [0]
+    add = triton_engine.TritonRows.add
+
+    def counted(self: Any, *args: Any) -> bool:
+        reads[0] += 1
+        return add(self, *args)
+
+    monkeypatch.setattr(triton_engine.TritonRows, "add", counted)
+    device_add = rows_device.DeviceRows.add
+
+    def every(self: Any, x: torch.Tensor, row: int, assign: bool = False) -> None:
+        self._last_read = None
+        device_add(self, x, row, assign)
+
+    tables = {}
+    for engine in ("c", "triton", "triton-every-read"):
+        monkeypatch.setenv("PRECPROF_STATS_ENGINE", engine.removesuffix("-every-read"))
+        if engine == "triton-every-read":  # the rows of a read of every call, as before
+            monkeypatch.setattr(rows_device.DeviceRows, "add", every)
+        torch.manual_seed(0)
+        model = _PassThrough()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        reads[0] = 0
+        with precprof.Profiler(
+            model, optimizer=opt, sample_every=1, memory=False, compile_beside=False
+        ) as prof:
+            for _ in range(2):
+                model(torch.randn(8, 16)).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+                prof.step()
+        tables[engine] = (prof.tables()["layers"], prof.tables()["histograms"], reads[0])
+    layers, hist, reads_copied = tables["triton"]
+    _, _, reads_every = tables["triton-every-read"]
+    # per step: drop and same, output and gradient, copied (the weights and their gradients go 16 a launch)
+    assert reads_every - reads_copied == 2 * 2 * 2
+    kept = [T.STEP, T.MODULE, T.TENSOR, T.PARAM, T.NUMEL, T.ZEROS, T.ABSMAX, T.ABSMIN, T.CALLS]
+    for engine in ("c", "triton-every-read"):
+        other_layers, other_hist, _ = tables[engine]
+        pd.testing.assert_frame_equal(layers[kept], other_layers[kept])
+        pd.testing.assert_frame_equal(hist, other_hist)
+    drop = layers[(layers[T.MODULE] == "drop") & (layers[T.STEP] == 1)]
+    assert set(drop[T.TENSOR]) == {T.ACTIVATION, T.ACTIVATION_GRAD}

@@ -7,8 +7,10 @@ tensors on other devices or on ``meta``."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -224,6 +226,65 @@ def test_merge_rule_is_one() -> None:
 def test_c_kernel_rejects_a_layout_it_cannot_hold() -> None:
     with pytest.raises(ValueError, match="what-if formats"):
         RowLayout((formats.FP16,) * 17, ())
+
+
+# ------------------------------------------------------------------------------------ read once
+@pytest.mark.parametrize("engine", ["torch", pytest.param("triton", marks=needs_interpreter)])
+def test_a_tensor_read_again_into_an_empty_row_is_copied_not_read(engine: str) -> None:
+    """On the device rows (``DeviceRows``: CUDA's, run on the CPU here) the tensor just read alone into an empty
+    row and given again, unchanged, for another empty row (``nn.Dropout(p=0)`` and ``nn.Identity`` return their
+    input; their gradients are that same tensor) is copied from the first row, not read again. Anything else
+    is read: a tensor changed in place since, a row already holding a read, a first row that held one before.
+    Every row equals what reading every call gives, bit for bit."""
+    a = random_values(3000, 3, -30.0, 30.0).bfloat16()
+    b = random_values(500, 4, -140.0, 120.0).float()
+    c = random_values(700, 5, -9.0, 9.0).half()
+    d = random_values(300, 6, -20.0, 20.0).float()
+
+    def run(again: Callable[[torch.Tensor], torch.Tensor]) -> tuple[np.ndarray, int]:
+        """The calls, each later call of a tensor given as ``again(t)``; returns the rows and the reads."""
+        buf = StatsBuffer(9, "cpu", engine=engine, host_rows=False)
+        rows = buf.primary
+        assert rows is not None and not rows.on_cpu
+        reads = [0]
+        if engine == "triton":
+            assert rows._triton is not None
+            launch = rows._triton.add
+
+            def counted(*args: Any) -> bool:
+                reads[0] += 1
+                return launch(*args)
+
+            rows._triton.add = counted  # type: ignore[method-assign]
+        else:
+            torch_ops = rows._by_torch_ops
+
+            def counted_ops(x: torch.Tensor, row: int) -> None:
+                reads[0] += 1
+                torch_ops(x, row)
+
+            rows._by_torch_ops = counted_ops  # type: ignore[method-assign]
+        rows.add(a, 0)
+        rows.add(again(a), 1)  # copied
+        rows.add(again(a), 2)  # copied again (a third module returning it)
+        rows.add(b, 3)
+        rows.add(again(b), 0)  # row 0 holds a read: read into it
+        rows.add(c, 4)
+        c.mul_(1.0)  # changed in place (the same values, a new version): read
+        rows.add(again(c), 5)
+        rows.add(d, 6)
+        rows.add(d, 6)  # the same row again: read, and its row now holds two reads
+        rows.add(again(d), 7)  # (so this is read)
+        rows.add(b, 8, assign=True)  # read (the last read was d's)
+        rows.add(again(b), 1, assign=True)  # an assign empties row 1 (a copy of a's): b copied from row 8
+        return buf.to_host(), reads[0]
+
+    same, reads = run(lambda t: t)
+    every, reads_every = run(lambda t: t.clone())  # another tensor of the same values: always read
+    assert reads_every == 12 and reads == 12 - 3
+    assert np.array_equal(same, every)
+    assert (same[1] == rows_of(b, "c")).all() and (same[2] == rows_of(a, "c")).all()
+    assert (same[0] == merge_rows(rows_of(a, "c"), rows_of(b, "c"))).all()
 
 
 # ------------------------------------------------------------------------------------ memory
