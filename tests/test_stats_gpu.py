@@ -452,3 +452,29 @@ def test_the_training_process_finds_the_other_processs_kernels(tmp_path: Path) -
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["why"] is None and got["error"] is None
     assert "ahead" in got["phases"] and len(got["ahead"]) >= 9 and got["after"] == got["ahead"], got
+
+
+@pytest.mark.parametrize("engine", ["triton", "torch"])
+def test_a_tensor_read_again_into_an_empty_row_is_a_device_copy(engine: str) -> None:
+    """On CUDA as in the interpreter (test_stats_engines): a tensor read alone into an empty row and given
+    again, unchanged, for another empty row is that row's copy, one read fewer, the rows bit for bit those of
+    reading each call (and the C kernel's)."""
+    a = ts.random_values(300_000, 3, -30.0, 30.0).bfloat16()
+    b = ts.random_values(70_000, 4, -140.0, 120.0).float()
+
+    def run(again: bool) -> np.ndarray:
+        buf = StatsBuffer(3, DEV, engine=engine)
+        rows = buf.primary
+        assert rows is not None
+        x, y = a.to(DEV), b.to(DEV)
+        rows.add(x, 0)
+        rows.add(x if again else x.clone(), 1)
+        rows.add(y, 2)
+        rows.add(y if again else y.clone(), 0)  # row 0 holds a read: read into it
+        return buf.to_host()
+
+    copied, read = run(True), run(False)
+    assert np.array_equal(copied, read)
+    c = StatsBuffer(1, "cpu", engine="c")
+    c.accumulate(a, 0)
+    assert (copied[1] == c.to_host()[0]).all()
