@@ -106,6 +106,7 @@ def render_html(
     ``live``: the run is still being written (``rundir.live_note``): the page says so, and neither that it was
     cut off nor that it is incomplete."""
     totals = stream.histogram_totals if stream is not None else None
+    tables = T.as_categorical(tables)
     with plots.unhinted_text():
         ctx = build_context(tables, summary, recommendation, histogram_totals=totals)
     ctx["advisor_error"] = advisor_error
