@@ -53,7 +53,11 @@ def test_the_dry_run_exercises_every_stage(tmp_path: Path) -> None:
         assert stages[name]["status"] == "skipped" and "CUDA" in stages[name]["reason"]
     assert stages["profile"]["cpu_top"] and "cumulative" in stages["profile"]["cprofile_cumulative"]
     memory_step = stages["profile"]["memory_step"]  # a step the tracker was told to measure, profiled
-    assert memory_step["measured"] and "function calls" in memory_step["cprofile_cumulative"]
+    assert memory_step["measured"] and memory_step["step_s"] > 0
+    assert (
+        "gpu_validate.py"
+        in memory_step["cprofile_cumulative"].split("filename:lineno(function)")[1].splitlines()[1]
+    )
     assert len(stages["env"]["source_sha256"]) == 64
     files = stages["tests"]["files"]
     assert "test_stats_gpu.py" in files and "test_triton_block.py" in files
@@ -72,9 +76,9 @@ def test_the_dry_run_exercises_every_stage(tmp_path: Path) -> None:
     assert first["worst_first_step_over_plain"] > 0  # against the "plain" run, without precprof
     host = stages["host"]["host_cost"]
     assert host["inspected_tensors_per_sampled_step"] > 0 and host["host_us_per_tensor"] is not None
-    assert (
-        host["cprofile"]["config"] == "memory each" and "memory_tracker.py" in host["cprofile"]["cumulative"]
-    )
+    profiled = host["cprofile"]  # the steps themselves, the outermost call first
+    assert profiled["config"] == "memory each" and profiled["steps"] == 2 and profiled["wall_s_profiled"] > 0
+    assert "host_cost.py" in profiled["cumulative"].split("filename:lineno(function)")[1].splitlines()[1]
     assert all(isinstance(r["gc"], dict) for r in host["results"].values())
     results = stages["overhead"]["overhead"]["results"]
     assert set(results) == {"baseline", "precprof_1", "precprof_10", "precprof_auto"}
