@@ -172,13 +172,13 @@ class CudaHistory:
         ev = Events()
         kinds, ptrs, sizes = ev.kinds, ev.ptrs, ev.sizes
         action_of = _CUDA_ACTIONS.get
-        for e in trace:  # (a few thousand entries a step: block_bytes inlined)
+        for e in trace:
             kind = action_of(e.get("action"))
             if kind is not None:
                 kinds.append(kind)
                 ptrs.append(int(e.get("addr", 0)))
                 size = int(e.get("size", 0))
-                sizes.append(size if kind >= SEGMENT_ALLOC else (((size + 511) >> 9) << 9) or 512)
+                sizes.append(size if kind >= SEGMENT_ALLOC else block_bytes(size))
         # the blocks and segments held now, walked back through the history: those held when the step began
         live: dict[int, int] = {}
         reserved = 0
