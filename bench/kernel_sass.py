@@ -117,6 +117,24 @@ def analyse(cubin: bytes) -> dict[str, Any]:
     return {**_resources(cubin), "instructions": len(ins), "loops": loops}
 
 
+def _block_per_value(loops: list[dict[str, Any]], unroll: int, halves: int) -> dict[str, float]:
+    """Instructions a value of the block kernel's tile loop executes, per path of its second read: the loop
+    over tiles (the first read, unrolled, and the scales: its instructions outside its inner loops, both
+    paths' setup included, over a line's 32 positions) plus the second read's loops of that path (``halves``
+    of them, first the path that carries the scales to the bounds, then the reference's; ``unroll`` values a
+    thread an iteration)."""
+    outer = max(loops, key=lambda lp: lp["instructions"])
+    lo, hi = outer["span"]
+    inner = [lp for lp in loops if lp is not outer and lo <= lp["span"][0] and lp["span"][1] <= hi]
+    straight = (outer["instructions"] - sum(lp["instructions"] for lp in inner)) / 32
+    fast, ref = inner[:halves], inner[halves : 2 * halves]
+    return {
+        "per_value_tile_loop": round(straight, 1),
+        "per_value_fast": round(straight + sum(lp["instructions"] for lp in fast) / halves / unroll, 1),
+        "per_value_reference": round(straight + sum(lp["instructions"] for lp in ref) / halves / unroll, 1),
+    }
+
+
 def _cubin(kernel: Any) -> bytes:
     compiled = kernel.result() if hasattr(kernel, "result") else kernel
     return bytes(compiled.asm["cubin"])
@@ -202,11 +220,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 dtype=str(dtype).removeprefix("torch."),
                 recipes=[r.name for r in blocks.RECIPES],
                 max_registers=options.get("maxnreg"),
+                **_block_per_value(rec["loops"], consts["UNROLL"], consts["HALVES"]),
             )
             out["blocks"].append(rec)
             print(
                 f"blocks {dtype} (registers bound {rec['max_registers']}): {rec['reg']} registers, "
-                f"loops {[lp['instructions'] for lp in rec['loops']]}"
+                f"loops {[lp['instructions'] for lp in rec['loops']]}, a value: "
+                f"{rec['per_value_fast']} with the scales carried to the bounds, "
+                f"{rec['per_value_reference']} as the reference computes"
             )
     # the weight-update samples' two kernels (one program a parameter, its 256 samples one block), per dtype
     for dtype in triton_updates.DTYPES:

@@ -256,7 +256,7 @@ if TRITON_WHY is None:
     import triton
     import triton.language as tl
 
-    from precprof.stats import triton_block_kernels as tbk
+    from precprof.stats import triton_block_math as tbm
 
     @triton.jit
     def _one_recipe(
@@ -271,9 +271,9 @@ if TRITON_WHY is None:
     ):
         rows = tl.arange(0, NB)
         at = rows[:, None] * 32 + tl.arange(0, 32)[None, :]
-        down, up = tbk._mx_scale(tl.load(ab_ptr + rows), FMAX, RCEIL)
+        down, up = tbm._mx_scale(tbm._mx_k(tl.load(ab_ptr + rows), FMAX, RCEIL), RCEIL)
         a = tl.abs(tl.load(x_ptr + at))
-        tl.store(q_ptr + at, tbk._round_value(a * down, MB, EMIN, FMAX) * up)
+        tl.store(q_ptr + at, tbm._round_value(a * down, MB, EMIN, FMAX) * up)
 
 
 def _triton_values(x: torch.Tensor, r: bf.BlockRecipe) -> torch.Tensor:

@@ -387,12 +387,12 @@ def test_the_block_kernels_direct_launch_adds_what_tritons_launch_adds() -> None
 
 
 @pytest.mark.gpu
-def test_the_block_kernels_16_bit_counts_hold_a_program_of_max_iters_tiles() -> None:
-    """A thread counts a recipe's flushed and saturated values in the two 16-bit halves of one int32. One
-    program reads ``MAX_ITERS`` tiles along 128 lines of 65,504 values, each line a thread's: 64 lines of 1.9
-    (all saturate in MXFP8 E4M3 with floor scales: 1.9 x 2^8 = 486.4, past 464), a saturated half of 0xFFE0;
-    64 whose blocks are 1.9 and 31 values of 1.9 x 2^-24 (they flush), a flushed half of 63,457. No carry into
-    or out of either: the counts the C kernel gives, with one program and with two."""
+def test_the_block_kernels_counts_hold_a_program_of_max_iters_tiles() -> None:
+    """A thread counts a recipe's kept and saturated values in an int32 each. One program reads ``MAX_ITERS``
+    tiles along 128 lines of 65,504 values, each line a thread's: 64 lines of 1.9 (all saturate in MXFP8 E4M3
+    with floor scales: 1.9 x 2^8 = 486.4, past 464), 65,504 saturated a thread; 64 whose blocks are 1.9 and 31
+    values of 1.9 x 2^-24 (they flush), 63,457 flushed a thread: the counts the C kernel gives, with one
+    program and with two."""
     pytest.importorskip("triton")
     from precprof.stats import blocks
     from precprof.stats import triton_block as tb

@@ -34,7 +34,7 @@ if WHY is not None:
 import triton  # noqa: E402  (there is a Triton to run: the kernels' own functions are tested too)
 import triton.language as tl  # noqa: E402
 
-from precprof.stats import triton_block_kernels as tbk  # noqa: E402
+from precprof.stats import triton_block_math as tbm  # noqa: E402
 
 # the kernels' fp32 arithmetic meets inf and nan on purpose (a block at fp32's max, a nan tensor's NVFP4
 # scales): numpy, which runs it in the interpreter, warns where the GPU computes the same values silently
@@ -211,12 +211,11 @@ def test_accumulator_slot_of_a_larger_tensor_and_what_it_does_not_read() -> None
 def test_a_program_reads_at_most_max_iters_tiles_and_the_scratch_grows_for_more_programs(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A thread counts a recipe's flushed and saturated values in the two 16-bit halves of one int32, 32 values
-    of its line a tile: a program reads at most ``MAX_ITERS`` tiles, so a tensor that needs it gets more
-    programs than ``max_programs`` (2^36 values at 528 programs: 8,197 of at most 2,047 tiles), and
-    ``TritonBlocks.add`` grows its partials' scratch for them. With the bound at 2 tiles (6 programs where 2
-    were sized), the same statistics."""
-    assert 32 * tb.MAX_ITERS < 1 << 16
+    """A program reads at most ``MAX_ITERS`` tiles (a thread's int32 counts take at most 32 values of its line
+    a tile), so a tensor that needs it gets more programs than ``max_programs`` (2^36 values at 528 programs:
+    8,197 of at most 2,047 tiles), and ``TritonBlocks.add`` grows its partials' scratch for them. With the
+    bound at 2 tiles (6 programs where 2 were sized), the same statistics."""
+    assert 32 * tb.MAX_ITERS < 1 << 31
     (*_, tiles, iters), programs = tb._geometry(1 << 20, 1 << 16, 1, 1 << 20, 128, 528)
     assert (tiles, programs, iters) == (1 << 24, 8197, 2047)
     assert tb._geometry(1 << 10, 1 << 14, 1, 1 << 10, 128, 528)[1] == 528  # (the usual case: most)
@@ -280,8 +279,8 @@ def _both_roundings(
 ):
     i = tl.arange(0, SPAN) + tl.program_id(0) * SPAN
     a = tl.load(x_ptr + i, mask=i < n, other=0).to(tl.float32, bitcast=True)
-    tl.store(fast_ptr + i, tbk._round_value(a, MB, EMIN, FMAX), mask=i < n)
-    tl.store(general_ptr + i, tbk._round_elem(a, MB, EMIN, FMAX), mask=i < n)
+    tl.store(fast_ptr + i, tbm._round_value(a, MB, EMIN, FMAX), mask=i < n)
+    tl.store(general_ptr + i, tbm._round_elem(a, MB, EMIN, FMAX), mask=i < n)
 
 
 def test_the_rounding_on_bits_equals_the_general_rounding_and_real_casts() -> None:
@@ -341,6 +340,31 @@ def test_hand_built_boundary_blocks_both_orientations() -> None:
     assert (got[:, 0] > 0).all() and (got[floor, 1] > 0).all()
     assert got[RECIPES.index(bf.NVFP4), 1] == 0  # NVFP4's scaled values stay below 6.4: none rounds past 6
     check(x.t(), RECIPES, -2)  # the same blocks down the columns of a transposed view, no copy
+
+
+BINADES = (-126, -115, -100, -95, -91, -90, -89, -40, 0, 40, 99, 100, 101, 102, 106, 115, 126, 127)
+
+
+def test_block_amaxes_from_fp32s_lowest_binade_to_its_highest_tile_by_tile() -> None:
+    # A tile whose block amaxes all lie in [2^-90, 2^101) (or are 0) has its MX scales carried to the bounds
+    # (triton_block_kernels._mx_fast: no product by 2^-k or 2^k, whose bounds would overflow or fall below
+    # fp32's normals further out); any other tile is computed as the reference computes it. Eight boundary
+    # blocks (every format's ties and half-subnormals) with their amax moved into fp32's binades from the
+    # lowest to the highest, those of both edges and a few between, a tile of 8 lines each; every MX recipe in
+    # both scale modes and NVFP4
+    x = boundary_blocks()
+    x = x[torch.randperm(len(x), generator=torch.Generator().manual_seed(5))][:8].double()
+    top = torch.floor(torch.log2(x.abs().amax(dim=1, keepdim=True)))
+    assert top.isfinite().all()
+    x[:, 30] = (
+        0.0  # and in each line a zero and a value that every format flushes (2^-33 of its amax's binade)
+    )
+    x[:, 31] = torch.exp2(top[:, 0] - 33)
+    mx = [bf.get_recipe(n, m) for n in bf.RECIPES if n != "nvfp4" for m in ("floor", "rceil")]
+    for binade in BINADES:  # one at a time: a sum of squares over all would hide the lower binades' errors
+        y = (x * torch.exp2(binade - top)).float()
+        assert y.isfinite().all()
+        check(y, [*mx, bf.NVFP4], -1, tile=8)
 
 
 def test_hand_built_mx_blocks() -> None:

@@ -131,6 +131,7 @@ def done_marker(spec: Ahead) -> Path | None:
         "triton_planes.py",
         "triton_finish.py",
         "triton_block_kernels.py",
+        "triton_block_math.py",
         "triton_block.py",
         "triton_update_kernels.py",
     ):

@@ -40,12 +40,18 @@ at every step (three reductions per recipe through shared memory and barriers): 
 loop, 20 in the first's), 80 registers, no reduction in the loop: 178 GB/s fp32 and 87 bf16 on an H200 for
 both orientations in one launch at 16M values, against 151 and 157 fp32 for one orientation alone, whose
 launch had half the programs (4 a multiprocessor, 16 warps): the kernel waits on its instructions' latency
-more than it issues them, and more warps hide it. So this one takes fewer registers and fewer instructions:
-each recipe's flushed and saturated counts share an int32 (16 bits each, ``MAX_ITERS``), the element's
-rounding is one magic-number sum, the poisoned counts and NVFP4's sum of squares come from each tile's
-geometry and the MX sums, not from each value; 143 instructions per value in the second read's loop (18 in
-the rest of a tile's), 62 registers under a bound of 64 (``MAX_REGISTERS``; 71 unbound): eight programs a
-multiprocessor, both orientations of ``TritonBlocks.add``'s default grid in one wave. Its speed is the GPU's
+more than it issues them, and more warps hide it. So the fourth took fewer registers and fewer instructions:
+each recipe's flushed and saturated counts shared an int32, the element's rounding is one magic-number sum,
+the poisoned counts and NVFP4's sum of squares come from each tile's geometry and the MX sums, not from each
+value; 145 instructions per value in the second read's loop (17 in the rest of a tile's), 62 registers under
+a bound of 64 (``MAX_REGISTERS``; 71 unbound): eight programs a multiprocessor, both orientations of
+``TritonBlocks.add``'s default grid in one wave; 208 GB/s fp32 and 100 bf16 on an H200 (2026-12-04). This one
+(compiled by triton 3.9, bench/kernel_sass.py) carries each MX scale to per-block bounds where a tile allows
+it (``triton_block_math``: no product by 2^-k or 2^k a value, the counts integer comparisons of the value's
+bits with constants), keeps the counts in an int32 each, reads NVFP4's two 16-blocks of a line apart (their
+scales chosen once, not a value) and ``UNROLL`` positions an iteration: 130 instructions a value in all (108
+in the second read's loop, 22 in the rest of a tile's, both paths' setup included), against 162 for the fourth
+compiled the same way; a tile with a block amax outside [2^-90, 2^101) runs the reference's arithmetic (161). Its speed is the GPU's
 to say (``gpu_validate``'s kernels stage: ``block_tiles`` sweeps the bound and the programs).
 
 NVFP4 needs the tensor's amax before its blocks: a first kernel (``_amax``) reduces it with an integer atomic
@@ -104,9 +110,13 @@ LAUNCH_OPTIONS: dict[str, Any] = {"enable_fp_fusion": False}
 # (4 a multiprocessor each) in one wave; compiled for sm_90 by triton 3.6 the kernel takes 71 without the
 # bound and 62 with it, with no spill and 2 more instructions a value in its loop.
 MAX_REGISTERS: int | None = 64
-# Tiles a program reads at most: its threads count a recipe's flushed and saturated values in the two 16-bit
-# halves of one int32 (triton_block_kernels._counts), at most 32 values a tile each
+# Tiles a program reads at most (a tensor that needs more gets more programs, and the partials' scratch grows):
+# a thread counts at most 32 values a tile in each of its int32 counts
 MAX_ITERS = 2047
+# Positions a thread reads in one iteration of the second read's loop on a GPU (one at a time, unrolled): the
+# loop's own instructions (its counter, the branch) spread over them. Compiled for sm_90 by triton 3.9: 108
+# instructions a value in that loop at 2, 110 at 4 (more registers: spills under the bound), 118 at 8
+UNROLL = 2
 
 
 def _kernels() -> Any:
@@ -291,6 +301,8 @@ def _consts(code: int, ta: int, slots: Sequence[int], positions: int | None = No
     """The constexprs of ``_blocks`` for a dtype's kind, a tile and the accumulator's recipes (their slots), in
     the kernel's order."""
     assert 0 < len(slots) <= MAX_RECIPES
+    jv = positions if positions is not None else (32 if interpreting() else 1)
+    assert jv in (1, 2, 4, 8, 16, 32)
     slotmap = 0
     for i, s in enumerate(slots):
         slotmap |= s << (4 * i)
@@ -304,8 +316,11 @@ def _consts(code: int, ta: int, slots: Sequence[int], positions: int | None = No
         NRP=nrp,
         CH=CHUNK,
         **_constants(),
-        # positions a thread reads at a time: 1 on a GPU, all 32 in the interpreter (which pays per operation)
-        JV=positions if positions is not None else (32 if interpreting() else 1),
+        # positions a thread reads at a time: 1 on a GPU, all 32 in the interpreter (which pays per operation);
+        # NVFP4's two halves apart unless one read takes all 32; UNROLL reads of one position an iteration
+        JV=jv,
+        HALVES=1 if jv == 32 else 2,
+        UNROLL=UNROLL if jv == 1 else 1,
     )
 
 
