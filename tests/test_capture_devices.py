@@ -24,6 +24,7 @@ from precprof._compat import indexed_device
 from precprof.capture import profiler as profiler_module
 from precprof.capture import records
 from precprof.stats import StatsBuffer, transfer
+from precprof.stats.rows import same_values
 
 
 class TwoDevices(nn.Module):
@@ -674,17 +675,31 @@ def test_nested_tensors_are_read_as_their_elements_and_training_goes_on(layout: 
 
 class _PassThrough(nn.Module):
     """A residual block as nanoGPT's at ``dropout=0.0``: the projection's output passes through a dropout that
-    returns it (the same tensor), then an identity, and so does its gradient."""
+    returns it (the same tensor), then an identity, and so does its gradient; then a flatten and an unflatten,
+    which return views of the same memory (their gradients too)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.fc = nn.Linear(16, 16)
         self.drop = nn.Dropout(0.0)
         self.same = nn.Identity()
+        self.flat = nn.Flatten(0)
+        self.unflat = nn.Unflatten(0, (8, 16))
         self.head = nn.Linear(16, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(x + self.same(self.drop(self.fc(x))))
+        return self.head(x + self.unflat(self.flat(self.same(self.drop(self.fc(x))))))
+
+
+def test_the_same_values_are_the_same_object_or_a_view_of_the_same_contiguous_memory() -> None:
+    x = torch.randn(8, 16)
+    assert same_values(x, x) and same_values(x, x.view(-1)) and same_values(x.view(2, 64), x.reshape(16, 8))
+    assert not same_values(None, x)
+    assert not same_values(x, x.clone())  # other memory
+    assert not same_values(x, x[:4]) and not same_values(x[4:], x[4:].view(-1)[:8])  # fewer values
+    assert not same_values(x, x.t()) and not same_values(x.t(), x)  # a transposed view reads in another order
+    assert not same_values(x, x.view(torch.int32))  # the same bits as other values
+    assert not same_values(x, x.to(torch.bfloat16))
 
 
 def test_a_module_returning_its_input_gets_its_rows_without_a_second_read(
@@ -732,8 +747,9 @@ def test_a_module_returning_its_input_gets_its_rows_without_a_second_read(
         tables[engine] = (prof.tables()["layers"], prof.tables()["histograms"], reads[0])
     layers, hist, reads_copied = tables["triton"]
     _, _, reads_every = tables["triton-every-read"]
-    # per step: drop and same, output and gradient, copied (the weights and their gradients go 16 a launch)
-    assert reads_every - reads_copied == 2 * 2 * 2
+    # per step: drop, same, flat and unflat, output and gradient, copied (the weights and their gradients go 16 a
+    # launch)
+    assert reads_every - reads_copied == 2 * 4 * 2
     kept = [T.STEP, T.MODULE, T.TENSOR, T.PARAM, T.NUMEL, T.ZEROS, T.ABSMAX, T.ABSMIN, T.CALLS]
     for engine in ("c", "triton-every-read"):
         other_layers, other_hist, _ = tables[engine]

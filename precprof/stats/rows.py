@@ -22,6 +22,28 @@ from precprof.stats.layout import _N_KEYS, RowLayout
 NO_READ = False
 
 
+def same_values(held: torch.Tensor | None, x: torch.Tensor) -> bool:
+    """Whether ``x`` holds the values of ``held`` (the tensor a row last read, still alive) in the same memory:
+    the same object, or a view of the same contiguous block (the same first element, count and dtype), as a
+    module returns that reshapes its input (``nn.Flatten``, ``nn.Unflatten``) and its gradient is. With their
+    shared version counter unchanged since the read, the statistics of one are the other's."""
+    if held is x:
+        return True
+    if held is None:
+        return False
+    try:
+        return bool(
+            held.data_ptr() == x.data_ptr()
+            and held.numel() == x.numel()
+            and held.dtype == x.dtype
+            and held.device == x.device
+            and held.is_contiguous()
+            and x.is_contiguous()
+        )
+    except RuntimeError:  # a tensor without storage to point at
+        return False
+
+
 class Rows:
     """The rows of one device (``rows`` slots of ``layout``), filled by ``engine``. Subclasses hold the counts
     and implement ``add`` (one tensor into one row, never syncing), ``dense``, ``reset_counts`` and the sizes.

@@ -116,9 +116,10 @@ class DeviceRows(_rows.Rows):
         costs 1.7 us a call): the launch reads ``x``'s memory, which autograd never sees; the torch ops read it
         detached.
 
-        The tensor just read, unchanged since (the same object at the same version), into an empty row, and
-        again into another empty row (a module that returns its input: ``nn.Dropout(p=0)``, ``nn.Identity``,
-        after the layer that made it; their gradients, which are the same tensor): the second row is a copy of
+        The tensor just read, unchanged since (the same object at the same version, or a view of the same
+        memory: ``rows.same_values``), into an empty row, and again into another empty row (a module that
+        returns its input: ``nn.Dropout(p=0)``, ``nn.Identity``, or reshapes it, ``nn.Flatten``, after the layer
+        that made it; their gradients, which are the same tensor or its view): the second row is a copy of
         the first, one row's copy on the device instead of a second read of the tensor (what the C kernel's
         rows do on the CPU, ``rows_host``). At ``dropout=0.0`` each of nanoGPT's blocks gives 4 tensors so (its
         two dropouts' outputs and their gradients): 2 layers take 44 launches a sampled step instead of 52."""
@@ -142,7 +143,7 @@ class DeviceRows(_rows.Rows):
             and version is not None
             and last[1] == version
             and last[2] != row
-            and last[0]() is x
+            and _rows.same_values(last[0](), x)
         ):
             self._data[row].copy_(self._data[last[2]])  # (the first row held that read alone)
             self._last_read = last

@@ -4,8 +4,9 @@ data uses (so the buffer stays a small fraction of the model's size), filled by 
 
 ``HostRows.add`` is the hot path of a sampled step on the CPU: a few attribute reads and one call into the
 kernel, which reads the tensor and merges its statistics into the row (``pp_add``); ``add_many`` reads a list
-of tensors (the step's parameters) in one call. A tensor added again right away (a module returning its
-submodule's output, and that output's gradient) is merged from the kernel's last call instead of read again.
+of tensors (the step's parameters) in one call. A tensor added again right away, unchanged (a module returning
+its submodule's output, or a view of it, and that output's gradient: ``rows.same_values``) is merged from the
+kernel's last call instead of read again.
 """
 
 from __future__ import annotations
@@ -279,7 +280,12 @@ class HostRows(_rows.Rows):
         last = self._last
         args = self._args
         args[1], args[3], args[4] = n, code, row
-        if last is not None and version is not None and last[1] == version and last[0]() is x:
+        if (
+            last is not None
+            and version is not None
+            and last[1] == version
+            and _rows.same_values(last[0](), x)
+        ):
             args[0], args[2], args[5] = 0, 1, flags | 2  # merged, not read again
             rc = self._add_at(self._ctx_ptr)
         else:
