@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _s129a_interpreter import skip_nested_patching
+from test_block_formats import AMAX_BINADES, boundary_blocks_at
 from torch import nn
 
 from precprof import block_formats as bf
@@ -117,6 +118,26 @@ def test_c_kernel_equals_the_reference(dtype: torch.dtype, shape: tuple[int, ...
     # the one-axis entry (the Triton kernel's signature) gives the same numbers
     assert torch.equal(kernel.block_stats_c(x2, RECIPES, -2), both[1])
     assert torch.equal(kernel.block_stats_c(x, RECIPES, -1), both[0])
+
+
+@needs_c
+def test_c_kernel_block_amaxes_from_fp32s_lowest_binade_to_its_highest() -> None:
+    # A tile whose block amaxes all lie in [2^-90, 2^101) (or are 0) has its MX scales carried to the bounds
+    # (kernel.c's tile_mx_bounds); any other is computed as the reference computes it. One binade at a time,
+    # every MX recipe in both scale modes and NVFP4, both orientations
+    mx = [bf.get_recipe(n, m) for n in bf.RECIPES if n != "nvfp4" for m in ("floor", "rceil")]
+    recipes = [*mx, bf.NVFP4]
+    for binade in AMAX_BINADES:
+        x = boundary_blocks_at(binade)
+        want = [
+            torch.stack(
+                [torch.stack([bf.block_stats(x, r, a)[s].double() for s in T.BLOCK_STATS]) for r in recipes]
+            )
+            for a in (-1, -2)
+        ]
+        got = kernel.block_stats_2d(x, recipes, 3, threads=1)
+        assert_same(got[0], want[0], f"row, amax binade {binade}")
+        assert_same(got[1], want[1], f"col, amax binade {binade}")
 
 
 @needs_c

@@ -376,6 +376,27 @@ def boundary_blocks() -> torch.Tensor:
     return x
 
 
+# Binades of a block's amax from fp32's lowest to its highest: both edges of the range, [2^-90, 2^101), where
+# the kernels carry MX scales to per-block bounds (``triton_block_math``, ``kernel.c``'s tile_mx_bounds) and the
+# values just outside it, where they compute as the reference does, and a few between
+AMAX_BINADES = (-126, -115, -100, -95, -91, -90, -89, -40, 0, 40, 99, 100, 101, 102, 106, 115, 126, 127)
+
+
+def boundary_blocks_at(binade: int) -> torch.Tensor:
+    """Eight of ``boundary_blocks`` (every format's ties and half-subnormals), with a zero and a value every
+    format flushes (2^-33 of the amax's binade) in each line, each line moved by a power of two (exactly) so that
+    its amax lies in the binade 2^binade."""
+    x = boundary_blocks()
+    x = x[torch.randperm(len(x), generator=torch.Generator().manual_seed(5))][:8].double()
+    top = torch.floor(torch.log2(x.abs().amax(dim=1, keepdim=True)))
+    assert top.isfinite().all()
+    x[:, 30] = 0.0
+    x[:, 31] = torch.exp2(top[:, 0] - 33)
+    y = (x * torch.exp2(binade - top)).float()
+    assert y.isfinite().all()
+    return y
+
+
 def test_hand_built_boundary_blocks_match_torchao(ao: Ao) -> None:
     x = boundary_blocks()
     for recipe in all_recipes():

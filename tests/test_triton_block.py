@@ -15,7 +15,13 @@ from collections.abc import Iterator, Sequence
 import pytest
 import torch
 from _s129a_interpreter import skip_nested_patching
-from test_block_formats import block, boundary_blocks, f32  # the reference tests' hand-built blocks
+from test_block_formats import (  # the reference tests' hand-built blocks
+    AMAX_BINADES,
+    block,
+    boundary_blocks,
+    boundary_blocks_at,
+    f32,
+)
 
 from precprof import block_formats as bf
 from precprof import tables as T
@@ -342,29 +348,15 @@ def test_hand_built_boundary_blocks_both_orientations() -> None:
     check(x.t(), RECIPES, -2)  # the same blocks down the columns of a transposed view, no copy
 
 
-BINADES = (-126, -115, -100, -95, -91, -90, -89, -40, 0, 40, 99, 100, 101, 102, 106, 115, 126, 127)
-
-
-def test_block_amaxes_from_fp32s_lowest_binade_to_its_highest_tile_by_tile() -> None:
+def test_block_amaxes_from_fp32s_lowest_binade_to_its_highest() -> None:
     # A tile whose block amaxes all lie in [2^-90, 2^101) (or are 0) has its MX scales carried to the bounds
-    # (triton_block_kernels._mx_fast: no product by 2^-k or 2^k, whose bounds would overflow or fall below
-    # fp32's normals further out); any other tile is computed as the reference computes it. Eight boundary
-    # blocks (every format's ties and half-subnormals) with their amax moved into fp32's binades from the
-    # lowest to the highest, those of both edges and a few between, a tile of 8 lines each; every MX recipe in
-    # both scale modes and NVFP4
-    x = boundary_blocks()
-    x = x[torch.randperm(len(x), generator=torch.Generator().manual_seed(5))][:8].double()
-    top = torch.floor(torch.log2(x.abs().amax(dim=1, keepdim=True)))
-    assert top.isfinite().all()
-    x[:, 30] = (
-        0.0  # and in each line a zero and a value that every format flushes (2^-33 of its amax's binade)
-    )
-    x[:, 31] = torch.exp2(top[:, 0] - 33)
+    # (triton_block_math._mx_fast: no product by 2^-k or 2^k, whose bounds would overflow or fall below fp32's
+    # normals further out); any other tile is computed as the reference computes it. One binade at a time (a
+    # sum of squares over all would hide the lower binades' errors), every MX recipe in both scale modes and
+    # NVFP4
     mx = [bf.get_recipe(n, m) for n in bf.RECIPES if n != "nvfp4" for m in ("floor", "rceil")]
-    for binade in BINADES:  # one at a time: a sum of squares over all would hide the lower binades' errors
-        y = (x * torch.exp2(binade - top)).float()
-        assert y.isfinite().all()
-        check(y, [*mx, bf.NVFP4], -1, tile=8)
+    for binade in AMAX_BINADES:
+        check(boundary_blocks_at(binade), [*mx, bf.NVFP4], -1, tile=8)
 
 
 def test_hand_built_mx_blocks() -> None:
