@@ -615,8 +615,9 @@ int64_t pp_add_many(int64_t* ctx, int64_t k, const int64_t* ptrs, const int64_t*
    chunk sums into its own partials, and the partials are added in chunk order, so the result does not
    depend on the thread count. An MX recipe on a tile whose block amaxes all lie in [2^-90, 2^101) (or are 0)
    carries its scales to per-block bounds (tile_mx_bounds: no product by 2^-k or 2^k a value, the counts
-   integer comparisons), the same statistics as tile_recipe's in two thirds of the time (2M fp32 values, both
-   orientations, one thread: 12.1 ms against 18.6). */
+   integer comparisons), the same statistics as tile_recipe's; with NVFP4's elements rounded by round_value too,
+   the seven recipes of the layers table on 2M values, both orientations, one thread, take 11.2 ms (fp32) and
+   12.5 (bf16) against 18.5 and 19.9 before. */
 
 #define BT 32
 #define BG 16
