@@ -311,14 +311,11 @@ static inline uint16_t rare_16(const uint16_t* q, int64_t m, uint16_t rawmax, ac
     return fmax;
 }
 
-/* contiguous bf16 / fp16: the key of every 15-bit magnitude comes from a table (64 KiB, and as many of counts);
-   bf16 (by_exponent), whose exponent is fp32's, counts a block with no subnormal by its exponent and whether
-   its mantissa is 0, as run_f32 does (TAB_F32, 2 KiB of counts): a quarter of the time, on L1's data */
+/* contiguous bf16 / fp16: the key of every 15-bit magnitude comes from a table */
 static void run_16(const uint16_t* p, int64_t n, acc_t* a, const cfg_t* cfg, const uint16_t* tab,
-                   uint16_t inf16, uint16_t big16, uint64_t (*widen)(uint16_t), int by_exponent) {
-    /* a small tensor straight into the keys: the sub-histograms' 64 KiB cost more than its values (bf16's are
-       allocated by the first block that has a subnormal) */
-    uint32_t (*sub)[NKEYS] = n <= SMALL || by_exponent ? NULL : calloc(4, sizeof(uint32_t[NKEYS]));
+                   uint16_t inf16, uint16_t big16, uint64_t (*widen)(uint16_t)) {
+    /* a small tensor straight into the keys: the sub-histograms' 64 KiB cost more than its values */
+    uint32_t (*sub)[NKEYS] = n <= SMALL ? NULL : calloc(4, sizeof(uint32_t[NKEYS]));
     if (n <= SMALL) {
         uint16_t rawmax = 0, vmin = 0xFFFF;
         for (int64_t i = 0; i < n; i++) {
@@ -331,9 +328,7 @@ static void run_16(const uint16_t* p, int64_t n, acc_t* a, const cfg_t* cfg, con
         extremes(a, widen(fmax), widen((uint16_t)(vmin + 1)), fmax != 0, vmin < (uint16_t)(inf16 - 1));
         return;
     }
-    if (!sub && !by_exponent) { for (int64_t i = 0; i < n; i++) add_bits(a, widen(p[i] & 0x7FFF), cfg); return; }
-    uint32_t sub9[4][512];
-    memset(sub9, 0, sizeof(sub9));
+    if (!sub) { for (int64_t i = 0; i < n; i++) add_bits(a, widen(p[i] & 0x7FFF), cfg); return; }
     int64_t since = 0;
     for (int64_t s = 0; s < n; s += BLOCK) {
         int64_t m = n - s < BLOCK ? n - s : BLOCK;
@@ -343,39 +338,18 @@ static void run_16(const uint16_t* p, int64_t n, acc_t* a, const cfg_t* cfg, con
         for (int64_t i = 0; i < m; i++) { uint16_t v = (uint16_t)((q[i] & 0x7FFF) - 1); vmin = v < vmin ? v : vmin; }
         uint16_t fmax = rare_16(q, m, rawmax, a, cfg, inf16, big16, widen);
         int64_t i = 0;
-        if (by_exponent && vmin >= 0x7F) { /* no subnormal in the block: exponent and mantissa-is-zero */
-            for (; i + 4 <= m; i += 4) {
-                sub9[0][((q[i] >> 6) & 0x1FEu) | ((q[i] & 0x7Fu) == 0)]++;
-                sub9[1][((q[i + 1] >> 6) & 0x1FEu) | ((q[i + 1] & 0x7Fu) == 0)]++;
-                sub9[2][((q[i + 2] >> 6) & 0x1FEu) | ((q[i + 2] & 0x7Fu) == 0)]++;
-                sub9[3][((q[i + 3] >> 6) & 0x1FEu) | ((q[i + 3] & 0x7Fu) == 0)]++;
-            }
-            for (; i < m; i++) sub9[0][((q[i] >> 6) & 0x1FEu) | ((q[i] & 0x7Fu) == 0)]++;
-        } else if (!sub) {
-            sub = calloc(4, sizeof(uint32_t[NKEYS]));
+        for (; i + 4 <= m; i += 4) {
+            sub[0][tab[q[i] & 0x7FFF]]++;
+            sub[1][tab[q[i + 1] & 0x7FFF]]++;
+            sub[2][tab[q[i + 2] & 0x7FFF]]++;
+            sub[3][tab[q[i + 3] & 0x7FFF]]++;
         }
-        if (sub) {
-            for (; i + 4 <= m; i += 4) {
-                sub[0][tab[q[i] & 0x7FFF]]++;
-                sub[1][tab[q[i + 1] & 0x7FFF]]++;
-                sub[2][tab[q[i + 2] & 0x7FFF]]++;
-                sub[3][tab[q[i + 3] & 0x7FFF]]++;
-            }
-            for (; i < m; i++) sub[0][tab[q[i] & 0x7FFF]]++;
-        }
-        for (; i < m; i++) a->keys[tab[q[i] & 0x7FFF]]++; /* (no memory for the sub-histograms) */
+        for (; i < m; i++) sub[0][tab[q[i] & 0x7FFF]]++;
         extremes(a, widen(fmax), widen((uint16_t)(vmin + 1)), fmax != 0, vmin < (uint16_t)(inf16 - 1));
         since += m;
         if (since >= (1LL << 30) || s + BLOCK >= n) {
-            if (sub) {
-                for (int k = 0; k < NKEYS; k++) a->keys[k] += (int64_t)sub[0][k] + sub[1][k] + sub[2][k] + sub[3][k];
-                memset(sub, 0, 4 * sizeof(uint32_t[NKEYS]));
-            }
-            for (int k = 0; k < 512; k++) {
-                uint64_t c = (uint64_t)sub9[0][k] + sub9[1][k] + sub9[2][k] + sub9[3][k];
-                if (c) a->keys[TAB_F32[k]] += (int64_t)c;
-            }
-            memset(sub9, 0, sizeof(sub9));
+            for (int k = 0; k < NKEYS; k++) a->keys[k] += (int64_t)sub[0][k] + sub[1][k] + sub[2][k] + sub[3][k];
+            memset(sub, 0, 4 * sizeof(uint32_t[NKEYS]));
             since = 0;
         }
     }
@@ -406,9 +380,9 @@ static void* run_job(void* arg) {
     a->mn = UINT64_MAX;
     if (j->stride == 1 && j->dtype == 0) run_f32((const uint32_t*)j->data, j->n, a, j->cfg);
     else if (j->stride == 1 && j->dtype == 1)
-        run_16((const uint16_t*)j->data, j->n, a, j->cfg, TAB_BF16, 0x7F80, j->cfg->big_bf16, bf16_bits64, 1);
+        run_16((const uint16_t*)j->data, j->n, a, j->cfg, TAB_BF16, 0x7F80, j->cfg->big_bf16, bf16_bits64);
     else if (j->stride == 1 && j->dtype == 2)
-        run_16((const uint16_t*)j->data, j->n, a, j->cfg, TAB_F16, 0x7C00, j->cfg->big_f16, f16_bits64, 0);
+        run_16((const uint16_t*)j->data, j->n, a, j->cfg, TAB_F16, 0x7C00, j->cfg->big_f16, f16_bits64);
     else {
         uint64_t (*ld)(const void*, int64_t) = j->dtype == 0 ? ld_f32 : j->dtype == 1 ? ld_bf16 : j->dtype == 2 ? ld_f16 : ld_f64;
         for (int64_t i = 0; i < j->n; i++) add_bits(a, ld(j->data, i * j->stride), j->cfg);

@@ -8,9 +8,8 @@ histogram, the extremes). This kernel reads it from memory once, in blocks of 20
   two in fp32);
 - one histogram pass counts the key of every value (2 * fp64 exponent field + mantissa-is-zero, the key of
   the torch path) into four interleaved sub-histograms: for fp32 the exponent field alone when the block
-  has nothing rare, for bf16 (fp32's exponent) the exponent field and mantissa-is-zero when the block has no
-  subnormal (2 KiB of counts: 1.6x faster than the table on 4M values), for fp16 and bf16's other blocks a
-  32768-entry table from the 15-bit magnitude to its key; rare blocks take an exact per-element path;
+  has nothing rare, for bf16/fp16 a 32768-entry table from the 15-bit magnitude to its key; rare blocks take
+  an exact per-element path;
 - the 4096 keys then fold into a statistics row (counts, the 277-bin histogram, fp8 current scaling with the
   exact frexp/ldexp search of ``formats.current_scaling_exponent``) in C, and merge into the buffer row in
   the same call: ``pp_add`` (``pp_call``, the statistics of one tensor into a call row, then ``pp_merge``,
