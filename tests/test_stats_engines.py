@@ -87,6 +87,23 @@ def test_random_odd_sizes_every_engine(dtype: torch.dtype) -> None:
         assert observed(decode(row)) == reference(coarse)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_c_kernel_16_bit_blocks_with_and_without_subnormals(dtype: torch.dtype) -> None:
+    """The C kernel's 16-bit path over several blocks of 2,048 values (four interleaved counts each): the first
+    blocks with no subnormal and an inf, a nan, -0 and powers of two (one in each of the four counts, at fp8
+    e4m3's underflow bound), the last with subnormals, equals the torch ops' row and a reference count, whole
+    and cut at other places."""
+    x = random_values(3 * 2048 + 5, 3, -12.0, 12.0, special=0.0).to(dtype)
+    x[100], x[200], x[300], x[400], x[401] = math.inf, math.nan, -0.0, 2.0**-3, -(2.0**14)
+    x[404:408] = torch.tensor([2.0**-10, 2.0**-9, 2.0**-11, 2.0**-10]).to(dtype)  # fp8 e4m3: flushed up to 2^-10
+    x[5000] = torch.finfo(dtype).tiny * torch.finfo(dtype).eps  # the smallest subnormal
+    x[6000] = -3 * x[5000]
+    for t in (x, x[:4097], x[2048:]):
+        c, host = rows_of(t, "c"), rows_of(t, "torch-host")
+        assert not len(np.flatnonzero(c != host)), np.flatnonzero(c != host)
+        assert observed(decode(c)) == reference(t)
+
+
 @needs_interpreter
 @pytest.mark.parametrize("dtype", list(INPUT_DTYPES.values()), ids=list(INPUT_DTYPES))
 def test_views_empty_and_specials_every_engine(dtype: torch.dtype) -> None:
