@@ -95,7 +95,8 @@ def test_c_kernel_16_bit_blocks_with_and_without_subnormals(dtype: torch.dtype) 
     and cut at other places."""
     x = random_values(3 * 2048 + 5, 3, -12.0, 12.0, special=0.0).to(dtype)
     x[100], x[200], x[300], x[400], x[401] = math.inf, math.nan, -0.0, 2.0**-3, -(2.0**14)
-    x[404:408] = torch.tensor([2.0**-10, 2.0**-9, 2.0**-11, 2.0**-10]).to(dtype)  # fp8 e4m3: flushed up to 2^-10
+    # fp8 e4m3 underflows up to 2^-10
+    x[404:408] = torch.tensor([2.0**-10, 2.0**-9, 2.0**-11, 2.0**-10]).to(dtype)
     x[5000] = torch.finfo(dtype).tiny * torch.finfo(dtype).eps  # the smallest subnormal
     x[6000] = -3 * x[5000]
     for t in (x, x[:4097], x[2048:]):
