@@ -195,6 +195,12 @@ def test_a_position_at_a_time_as_a_gpu_reads_gives_the_same_statistics() -> None
     assert eng.add(x.to(DEV), acc)
     assert_same(acc, both(x, RECIPES))
     assert (acc[..., 0] > 0).any() and (acc[..., 1] > 0).any()  # values flushed and saturated both ways
+    # the reference's arithmetic (every block amax past 2^101) a position at a time, and the bounds' four
+    for y, positions in ((boundary_blocks_at(110), 1), (boundary_blocks_at(0), 4)):
+        eng = tb.TritonBlocks(DEV, RECIPES, tile=8, positions=positions)
+        acc = torch.zeros(2, len(RECIPES), 5, dtype=torch.float64, device=DEV)
+        assert eng.add(y.to(DEV), acc)
+        assert_same(acc, both(y, RECIPES))
 
 
 def test_accumulator_slot_of_a_larger_tensor_and_what_it_does_not_read() -> None:
