@@ -384,6 +384,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "naive_item": NaiveItem,
     }
     names = [c for c in args.configs.split(",") if c]
+    unknown = [n for n in names if n not in makers]
+    if unknown:
+        raise SystemExit(
+            f"overhead.py: unknown configuration {', '.join(unknown)}; known: {', '.join(makers)}"
+        )
     if "debug_uo" in names:
         try:
             import transformers  # noqa: F401

@@ -53,10 +53,13 @@ def rows_of(x: torch.Tensor, engine: str, layout: RowLayout = LAYOUT, chunk: int
     return buf.to_host()[0]
 
 
-def all_engines_agree(x: torch.Tensor, layout: RowLayout = LAYOUT) -> np.ndarray:
-    """The row of ``x`` from every engine; asserts they are identical and returns it."""
-    out = {e: rows_of(x, e, layout) for e in ENGINES}
-    for e in ENGINES[1:]:
+def all_engines_agree(
+    x: torch.Tensor, layout: RowLayout = LAYOUT, engines: tuple[str, ...] = ENGINES
+) -> np.ndarray:
+    """The row of ``x`` from every engine (of ``engines``, the C kernel first); asserts they are identical and
+    returns it."""
+    out = {e: rows_of(x, e, layout) for e in engines}
+    for e in engines[1:]:
         diff = np.flatnonzero(out[e] != out["c"])
         assert not len(diff), f"{e} differs from the C kernel in columns {diff.tolist()} for {x.dtype}"
     return out["c"]
@@ -77,13 +80,16 @@ def test_hand_built_values_every_engine_and_real_casts(dtype: torch.dtype) -> No
 @pytest.mark.parametrize("dtype", list(INPUT_DTYPES.values()), ids=list(INPUT_DTYPES))
 def test_random_odd_sizes_every_engine(dtype: torch.dtype) -> None:
     """Sizes on both sides of the C kernel's small-tensor path (at most 4096 values: straight into the keys),
-    with specials and subnormals, and values of few mantissa bits (powers of two among them)."""
+    with specials and subnormals, and values of few mantissa bits (powers of two among them). Triton's
+    interpreter (some 10 ms a block of 512) reads the sizes on its own boundaries: within one block, a partial
+    last block, a whole number of blocks, and more blocks than its four programs (each loops); its reads of the
+    coarse values, two of them."""
     for n, seed in ((1, 0), (7, 1), (1023, 2), (1025, 3), (4096, 5), (4097, 6), (5000, 4)):
         x = random_values(n, seed, -140.0, 127.99).to(dtype)
-        row = all_engines_agree(x)
+        row = all_engines_agree(x, engines=ENGINES if n in (1, 7, 1025, 4096, 4097) else ENGINES[:3])
         assert observed(decode(row)) == reference(x)
         coarse = random_values(n, seed + 10, -30.0, 30.0, special=0.0).to(torch.bfloat16).to(dtype)
-        row = all_engines_agree(coarse)
+        row = all_engines_agree(coarse, engines=ENGINES if n in (7, 4097) else ENGINES[:3])
         assert observed(decode(row)) == reference(coarse)
 
 
@@ -582,11 +588,11 @@ def test_triton_window_and_rare_values(
     monkeypatch.setattr(triton_engine, "RARE_AFTER", rare_after)
     monkeypatch.setattr(triton_engine, "STAGES", stages)
     g = torch.Generator().manual_seed(3)
-    calm = torch.randn(3 * 4096, generator=g) * 0.01
+    calm = torch.randn(3 * 2048, generator=g) * 0.01  # 12 blocks: three a program
     few = calm.clone()
-    few[[5, 900, 5000, 9000]] = torch.tensor([1e-41, 3e5, math.inf, 2.0**-60])
-    wild = torch.exp2(torch.randint(-149, 128, (2 * 4096,), generator=g).float()) * torch.rand(
-        2 * 4096, generator=g
+    few[[5, 900, 3000, 5000]] = torch.tensor([1e-41, 3e5, math.inf, 2.0**-60])
+    wild = torch.exp2(torch.randint(-149, 128, (2 * 2048,), generator=g).float()) * torch.rand(
+        2 * 2048, generator=g
     )
     zeros_first = torch.cat([torch.zeros(4096), calm[:5000] * 1e-3])
     rare_last = torch.cat([calm[:4100], torch.tensor([math.inf, 2.0**-60, 1e-41])])  # in the partial block

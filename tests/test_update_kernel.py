@@ -181,7 +181,7 @@ def test_the_kernels_update_counts_are_the_torch_paths_on_random_values(
     weight (ties among them) and random ones, gradients zero for a third. (Fewer in Triton's interpreter, which
     takes some 10 ms a program: a parameter each.)"""
     rng = np.random.default_rng(0)
-    n = 3000 if reader == "c" else 400
+    n = 3000 if reader == "c" else 200
     w = rng.choice([-1.0, 1.0], n) * np.exp2(rng.uniform(-27, 18, n)) * (1 + rng.integers(0, 8, n) / 8)
     spacing = np.exp2(np.floor(np.log2(np.abs(w))) - np.where(rng.random(n) < 0.5, 7, 10))
     delta = np.where(rng.random(n) < 0.8, rng.integers(-6, 7, n) * spacing / 4, rng.normal(0, 1, n) * spacing)

@@ -117,13 +117,22 @@ def _train(
     return m, rows, pd.DataFrame(own)
 
 
-@pytest.mark.parametrize("engine", ENGINES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
+@pytest.mark.parametrize(
+    ("opt_name", "dtype", "engine"),
+    [
+        (o, d, e)
+        for o in sorted(OPTIMIZERS)
+        for d in (torch.float32, torch.bfloat16)
+        for e in ENGINES
+        if e != "triton" or o == "adam"
+    ],
+)
 def test_update_sizes_are_those_of_the_sampled_elements(
     opt_name: str, dtype: torch.dtype, engine: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The rows had only counts (absmax and absmin NaN): no update RMS, no weight RMS, no ||dw|| / ||w||."""
+    """The rows had only counts (absmax and absmin NaN): no update RMS, no weight RMS, no ||dw|| / ||w||. (The
+    Triton kernels in their interpreter, 3 s a case, after one optimizer: they read the weights before and after
+    whichever made them.)"""
     monkeypatch.setenv(ENGINE_ENV, engine)
     _, rows, own = _train(opt_name, dtype, profile=True)
     got = rows.set_index([T.STEP, T.MODULE, T.PARAM]).sort_index()
