@@ -250,6 +250,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     base = tiny_stack(args.blocks, args.width).to(dev)
     x = torch.randn(args.batch, args.width, device=dev)
     names = [c for c in args.configs.split(",") if c]
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        ap.error(f"unknown configuration {', '.join(unknown)}; choose from {', '.join(CONFIGS)}")
+    if args.cprofile is not None and args.cprofile not in names:
+        ap.error(
+            f"--cprofile {args.cprofile!r} is not among --configs ({', '.join(names)}); profile one of them"
+        )
 
     state: dict[str, dict[str, Any]] = {}
     for n in names:

@@ -349,24 +349,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     global STREAM
     STREAM = not args.no_stream
 
-    if args.device == "auto":
-        dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    else:
-        dev = torch.device(args.device)
-    torch.set_num_threads(args.threads)
-    model_name = args.model or ("gpt2-small" if dev.type == "cuda" else "gpt-mini")
-    seq = args.seq or (1024 if dev.type == "cuda" else 128)
-    torch.manual_seed(0)
-    model_args = {k: int(v) for k, v in (a.split("=", 1) for a in args.model_arg)}
-    base_model = build_model(model_name, model_args, vocab_size=256, seq_len=seq).module.to(dev)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.precision)
-
-    g = torch.Generator().manual_seed(0)
-    batches = []
-    for _ in range(args.steps):
-        s = torch.randint(0, 256, (args.batch, seq + 1), generator=g)
-        batches.append((s[:, :-1].to(dev), s[:, 1:].to(dev)))
-
     makers: dict[str, Callable[[], Monitor]] = {
         "baseline": Monitor,
         # a second un-profiled copy: how far two identical configurations differ
@@ -386,9 +368,26 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     names = [c for c in args.configs.split(",") if c]
     unknown = [n for n in names if n not in makers]
     if unknown:
-        raise SystemExit(
-            f"overhead.py: unknown configuration {', '.join(unknown)}; known: {', '.join(makers)}"
-        )
+        ap.error(f"unknown configuration {', '.join(unknown)}; choose from {', '.join(makers)}")
+
+    if args.device == "auto":
+        dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        dev = torch.device(args.device)
+    torch.set_num_threads(args.threads)
+    model_name = args.model or ("gpt2-small" if dev.type == "cuda" else "gpt-mini")
+    seq = args.seq or (1024 if dev.type == "cuda" else 128)
+    torch.manual_seed(0)
+    model_args = {k: int(v) for k, v in (a.split("=", 1) for a in args.model_arg)}
+    base_model = build_model(model_name, model_args, vocab_size=256, seq_len=seq).module.to(dev)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.precision)
+
+    g = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(args.steps):
+        s = torch.randint(0, 256, (args.batch, seq + 1), generator=g)
+        batches.append((s[:, :-1].to(dev), s[:, 1:].to(dev)))
+
     if "debug_uo" in names:
         try:
             import transformers  # noqa: F401
