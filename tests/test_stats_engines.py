@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import kernel_required
-from test_stats import INPUT_DTYPES, _shapes, hand_built, observed, random_values, reference
+from test_stats import INPUT_DTYPES, _shapes, dtype_range, hand_built, observed, random_values, reference
 
 from precprof import formats, stats
 from precprof.errors import UserError
@@ -109,6 +109,37 @@ def test_c_kernel_16_bit_blocks_with_and_without_subnormals(dtype: torch.dtype) 
         c, host = rows_of(t, "c"), rows_of(t, "torch-host")
         assert not len(np.flatnonzero(c != host)), np.flatnonzero(c != host)
         assert observed(decode(c)) == reference(t)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_c_kernel_16_bit_magnitude_bins_on_both_sides_of_their_size(dtype: torch.dtype) -> None:
+    """From 65,536 values on, the C kernel counts 16-bit values in bins of their magnitudes' bits and makes the
+    keys from the bins touched (0, and the smallest nonzero to the largest magnitude) at the end: sizes on both
+    sides of that, values over every binade with subnormals, powers of two, inf, nan and -0; a tensor of zeros;
+    one whose only nonzero values are the largest magnitude (the touched range one bin); one whose later block
+    holds a value one bin below the smallest so far; and tensors read one after the other into the same rows
+    and apart (the bins are empty again between calls).
+    Each row equals the torch ops' and the real-cast reference."""
+    tiny = torch.finfo(dtype).tiny * torch.finfo(dtype).eps  # the smallest subnormal
+    wide = random_values(70_000, 21, *dtype_range(dtype)).to(dtype)
+    wide[::997] = 2.0**-5
+    narrow = random_values(65_536, 22, -3.0, 3.0, special=0.0).to(dtype)
+    top = torch.zeros(65_537, dtype=dtype)
+    top[[0, 4096, 65_536]] = torch.finfo(dtype).max
+    low = torch.zeros(65_536, dtype=dtype)
+    low[[5, 70]] = 2 * tiny
+    low[65_000] = tiny  # a later block's smallest one bin below the smallest so far
+    for t in (wide, wide[:65_535], wide[1:65_537], narrow, top, low, torch.zeros(65_536, dtype=dtype)):
+        c, host = rows_of(t, "c"), rows_of(t, "torch-host")
+        assert not len(np.flatnonzero(c != host)), np.flatnonzero(c != host)
+        assert observed(decode(c)) == reference(t)
+    # one after the other on the same thread: a call's bins must not reach the next call's row
+    kernel = StatsBuffer(2, "cpu", engine="c")
+    ops = StatsBuffer(2, "cpu", engine="torch")
+    for row, t in enumerate((wide, narrow, top, low)):
+        kernel.accumulate(t, row % 2)
+        ops.accumulate(t, row % 2)
+    assert np.array_equal(kernel.to_host(), ops.to_host())
 
 
 @needs_interpreter

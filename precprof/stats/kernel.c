@@ -7,6 +7,7 @@
    run in IEEE mode (fp_ieee_enter / fp_ieee_leave), set and restored on every thread that computes. */
 #include <float.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -311,9 +312,88 @@ static inline uint16_t rare_16(const uint16_t* q, int64_t m, uint16_t rawmax, ac
     return fmax;
 }
 
+/* A tensor of at least DIRECT_MIN 16-bit values is counted by its 15-bit magnitudes themselves (run_16_direct):
+   one increment a value and no table read, the keys made from the bins the values touched once at the end. A
+   smaller one keeps the table: the end's pass over the touched bins would cost more than its values. */
+#define DIRECT_MIN 65536
+#define DIRECT_BINS 32768
+static pthread_key_t DIRECT_KEY;
+static pthread_once_t DIRECT_ONCE = PTHREAD_ONCE_INIT;
+static int DIRECT_KEY_OK;
+static void direct_key_make(void) { DIRECT_KEY_OK = pthread_key_create(&DIRECT_KEY, free) == 0; }
+/* this thread's four interleaved counts of every 15-bit magnitude (512 KiB, allocated at its first use, all
+   zero between calls, freed when the thread ends); NULL where it cannot be had (the table path then) */
+static uint32_t (*direct_bins(void))[DIRECT_BINS] {
+    pthread_once(&DIRECT_ONCE, direct_key_make);
+    if (!DIRECT_KEY_OK) return NULL;
+    uint32_t(*d)[DIRECT_BINS] = pthread_getspecific(DIRECT_KEY);
+    if (!d) {
+        d = calloc(4, sizeof(uint32_t[DIRECT_BINS]));
+        if (d && pthread_setspecific(DIRECT_KEY, d) != 0) {
+            free(d);
+            d = NULL;
+        }
+    }
+    return d;
+}
+/* the counts of the magnitudes 0 and lo..hi into the keys, and those bins zeroed again */
+static void direct_fold(uint32_t (*d)[DIRECT_BINS], acc_t* a, const uint16_t* tab, uint32_t lo, uint32_t hi) {
+    a->keys[tab[0]] += (int64_t)d[0][0] + d[1][0] + d[2][0] + d[3][0];
+    d[0][0] = d[1][0] = d[2][0] = d[3][0] = 0;
+    for (uint32_t u = lo; u <= hi; u++) {
+        uint32_t c = d[0][u] + d[1][u] + d[2][u] + d[3][u];
+        if (c) {
+            a->keys[tab[u]] += c;
+            d[0][u] = d[1][u] = d[2][u] = d[3][u] = 0;
+        }
+    }
+}
+
+/* contiguous bf16 / fp16 of at least DIRECT_MIN values: per block, the passes of run_16, then each value counted
+   in the bin of its magnitude's bits (four interleaved counts, as run_16's); the bins touched since the last fold
+   (0 and the smallest nonzero to the largest magnitude) become keys through the table at the end, or every
+   2^30 values (a bin's count stays within 32 bits) */
+static void run_16_direct(const uint16_t* p, int64_t n, acc_t* a, const cfg_t* cfg, const uint16_t* tab,
+                          uint16_t inf16, uint16_t big16, uint64_t (*widen)(uint16_t),
+                          uint32_t (*d)[DIRECT_BINS]) {
+    uint32_t lo = DIRECT_BINS, hi = 0; /* the nonzero magnitudes counted since the last fold lie in lo..hi */
+    int64_t since = 0;
+    for (int64_t s = 0; s < n; s += BLOCK) {
+        int64_t m = n - s < BLOCK ? n - s : BLOCK;
+        const uint16_t* q = p + s;
+        uint16_t rawmax = 0, vmin = 0xFFFF;
+        for (int64_t i = 0; i < m; i++) { uint16_t u = q[i] & 0x7FFF; rawmax = u > rawmax ? u : rawmax; }
+        for (int64_t i = 0; i < m; i++) { uint16_t v = (uint16_t)((q[i] & 0x7FFF) - 1); vmin = v < vmin ? v : vmin; }
+        uint16_t fmax = rare_16(q, m, rawmax, a, cfg, inf16, big16, widen);
+        int64_t i = 0;
+        for (; i + 4 <= m; i += 4) {
+            d[0][q[i] & 0x7FFF]++;
+            d[1][q[i + 1] & 0x7FFF]++;
+            d[2][q[i + 2] & 0x7FFF]++;
+            d[3][q[i + 3] & 0x7FFF]++;
+        }
+        for (; i < m; i++) d[0][q[i] & 0x7FFF]++;
+        extremes(a, widen(fmax), widen((uint16_t)(vmin + 1)), fmax != 0, vmin < (uint16_t)(inf16 - 1));
+        if (rawmax > hi) hi = rawmax;
+        if (vmin != 0xFFFF && (uint32_t)vmin + 1 < lo) lo = (uint32_t)vmin + 1; /* 0xFFFF: zeros alone */
+        since += m;
+        if (since >= (1LL << 30) || s + BLOCK >= n) {
+            direct_fold(d, a, tab, lo, hi);
+            lo = DIRECT_BINS;
+            hi = 0;
+            since = 0;
+        }
+    }
+}
+
 /* contiguous bf16 / fp16: the key of every 15-bit magnitude comes from a table */
 static void run_16(const uint16_t* p, int64_t n, acc_t* a, const cfg_t* cfg, const uint16_t* tab,
                    uint16_t inf16, uint16_t big16, uint64_t (*widen)(uint16_t)) {
+    uint32_t(*direct)[DIRECT_BINS] = n >= DIRECT_MIN ? direct_bins() : NULL;
+    if (direct) {
+        run_16_direct(p, n, a, cfg, tab, inf16, big16, widen, direct);
+        return;
+    }
     /* a small tensor straight into the keys: the sub-histograms' 64 KiB cost more than its values */
     uint32_t (*sub)[NKEYS] = n <= SMALL ? NULL : calloc(4, sizeof(uint32_t[NKEYS]));
     if (n <= SMALL) {

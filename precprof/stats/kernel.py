@@ -9,7 +9,11 @@ histogram, the extremes). This kernel reads it from memory once, in blocks of 20
 - one histogram pass counts the key of every value (2 * fp64 exponent field + mantissa-is-zero, the key of
   the torch path) into four interleaved sub-histograms: for fp32 the exponent field alone when the block
   has nothing rare, for bf16/fp16 a 32768-entry table from the 15-bit magnitude to its key; rare blocks take
-  an exact per-element path;
+  an exact per-element path. A thread's share of 65536 bf16/fp16 values or more is counted by the 15-bit
+  magnitude itself (a bin for each, four interleaved, 512 KiB a thread allocated at its first such share and
+  kept), without the table read a value; the bins it touched (0, and the smallest nonzero magnitude to the
+  largest) become keys through the table at the end: 4.2-5.5 G bf16 values/s instead of 3.0-3.7 on a 2-core
+  Xeon (2 threads, 1M-16M values, each tensor read anew; 3.2-3.3 against 2.5-2.6 at 128K);
 - the 4096 keys then fold into a statistics row (counts, the 277-bin histogram, fp8 current scaling with the
   exact frexp/ldexp search of ``formats.current_scaling_exponent``) in C, and merge into the buffer row in
   the same call: ``pp_add`` (``pp_call``, the statistics of one tensor into a call row, then ``pp_merge``,
