@@ -312,6 +312,20 @@ static inline uint16_t rare_16(const uint16_t* q, int64_t m, uint16_t rawmax, ac
     return fmax;
 }
 
+/* one block of m 16-bit values, before its histogram: its largest magnitude pattern (rawmax) and smallest
+   nonzero one minus 1 (vmin; 0xFFFF when all are zero), its overflow counts and largest finite value
+   (rare_16), and its extremes into a */
+static inline void block_16(const uint16_t* q, int64_t m, acc_t* a, const cfg_t* cfg, uint16_t inf16,
+                            uint16_t big16, uint64_t (*widen)(uint16_t), uint16_t* rawmax_out, uint16_t* vmin_out) {
+    uint16_t rawmax = 0, vmin = 0xFFFF;
+    for (int64_t i = 0; i < m; i++) { uint16_t u = q[i] & 0x7FFF; rawmax = u > rawmax ? u : rawmax; }
+    for (int64_t i = 0; i < m; i++) { uint16_t v = (uint16_t)((q[i] & 0x7FFF) - 1); vmin = v < vmin ? v : vmin; }
+    uint16_t fmax = rare_16(q, m, rawmax, a, cfg, inf16, big16, widen);
+    extremes(a, widen(fmax), widen((uint16_t)(vmin + 1)), fmax != 0, vmin < (uint16_t)(inf16 - 1));
+    *rawmax_out = rawmax;
+    *vmin_out = vmin;
+}
+
 /* A tensor of at least DIRECT_MIN 16-bit values is counted by its 15-bit magnitudes themselves (run_16_direct):
    one increment a value and no table read, the keys made from the bins the values touched once at the end. A
    smaller one keeps the table: the end's pass over the touched bins would cost more than its values. */
@@ -361,10 +375,8 @@ static void run_16_direct(const uint16_t* p, int64_t n, acc_t* a, const cfg_t* c
     for (int64_t s = 0; s < n; s += BLOCK) {
         int64_t m = n - s < BLOCK ? n - s : BLOCK;
         const uint16_t* q = p + s;
-        uint16_t rawmax = 0, vmin = 0xFFFF;
-        for (int64_t i = 0; i < m; i++) { uint16_t u = q[i] & 0x7FFF; rawmax = u > rawmax ? u : rawmax; }
-        for (int64_t i = 0; i < m; i++) { uint16_t v = (uint16_t)((q[i] & 0x7FFF) - 1); vmin = v < vmin ? v : vmin; }
-        uint16_t fmax = rare_16(q, m, rawmax, a, cfg, inf16, big16, widen);
+        uint16_t rawmax, vmin;
+        block_16(q, m, a, cfg, inf16, big16, widen, &rawmax, &vmin);
         int64_t i = 0;
         for (; i + 4 <= m; i += 4) {
             d[0][q[i] & 0x7FFF]++;
@@ -373,7 +385,6 @@ static void run_16_direct(const uint16_t* p, int64_t n, acc_t* a, const cfg_t* c
             d[3][q[i + 3] & 0x7FFF]++;
         }
         for (; i < m; i++) d[0][q[i] & 0x7FFF]++;
-        extremes(a, widen(fmax), widen((uint16_t)(vmin + 1)), fmax != 0, vmin < (uint16_t)(inf16 - 1));
         if (rawmax > hi) hi = rawmax;
         if (vmin != 0xFFFF && (uint32_t)vmin + 1 < lo) lo = (uint32_t)vmin + 1; /* 0xFFFF: zeros alone */
         since += m;
@@ -413,10 +424,8 @@ static void run_16(const uint16_t* p, int64_t n, acc_t* a, const cfg_t* cfg, con
     for (int64_t s = 0; s < n; s += BLOCK) {
         int64_t m = n - s < BLOCK ? n - s : BLOCK;
         const uint16_t* q = p + s;
-        uint16_t rawmax = 0, vmin = 0xFFFF;
-        for (int64_t i = 0; i < m; i++) { uint16_t u = q[i] & 0x7FFF; rawmax = u > rawmax ? u : rawmax; }
-        for (int64_t i = 0; i < m; i++) { uint16_t v = (uint16_t)((q[i] & 0x7FFF) - 1); vmin = v < vmin ? v : vmin; }
-        uint16_t fmax = rare_16(q, m, rawmax, a, cfg, inf16, big16, widen);
+        uint16_t rawmax, vmin;
+        block_16(q, m, a, cfg, inf16, big16, widen, &rawmax, &vmin);
         int64_t i = 0;
         for (; i + 4 <= m; i += 4) {
             sub[0][tab[q[i] & 0x7FFF]]++;
@@ -425,7 +434,6 @@ static void run_16(const uint16_t* p, int64_t n, acc_t* a, const cfg_t* cfg, con
             sub[3][tab[q[i + 3] & 0x7FFF]]++;
         }
         for (; i < m; i++) sub[0][tab[q[i] & 0x7FFF]]++;
-        extremes(a, widen(fmax), widen((uint16_t)(vmin + 1)), fmax != 0, vmin < (uint16_t)(inf16 - 1));
         since += m;
         if (since >= (1LL << 30) || s + BLOCK >= n) {
             for (int k = 0; k < NKEYS; k++) a->keys[k] += (int64_t)sub[0][k] + sub[1][k] + sub[2][k] + sub[3][k];
